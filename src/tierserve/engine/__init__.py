@@ -1,0 +1,1 @@
+"""LLMEngine (the step loop), AsyncEngine (asyncio streams), outputs and stats."""

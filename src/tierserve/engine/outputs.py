@@ -1,0 +1,30 @@
+"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput."""
+
+from dataclasses import dataclass, field
+
+from tierserve.engine.stats import RequestStats
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    """Output text so far (without a matched stop string)."""
+    token_ids: list[int]
+    finish_reason: str | None = None
+    """None while running; then "stop", "length" or "abort"."""
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the request, if any."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    delta_text: str = ""
+    """Text that became final in this step (what a stream sends)."""
+    delta_token_ids: list[int] = field(default_factory=list)
+    metrics: RequestStats | None = None

@@ -1,0 +1,96 @@
+"""Stats are data: the engine emits these dataclasses; sinks (metering, Prometheus, logs,
+benchmarks) consume them through the `StatSink` protocol."""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SeqStepStats:
+    """One sequence's part of a step: what the cost meter needs to attribute the step."""
+
+    request_id: str
+    num_tokens: int
+    """Tokens computed for this sequence in the step."""
+    context_len: int
+    """KV positions attended after the step (prefix + these tokens)."""
+    is_decode: bool
+
+
+@dataclass
+class StepStats:
+    step_index: int
+    start_time: float
+    duration_s: float
+    num_seqs: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    kv_usage: float
+    """Fraction of KV blocks in use after the step."""
+    num_waiting: int
+    seqs: list[SeqStepStats] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+@dataclass
+class RequestStats:
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    """Time each output token became available."""
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def inter_token_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+class StatSink(Protocol):
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_request_finished(self, stats: RequestStats) -> None: ...
+
+
+class StatsCollector:
+    """A sink that keeps everything in memory (benchmarks, tests)."""
+
+    def __init__(self):
+        self.steps: list[StepStats] = []
+        self.requests: list[RequestStats] = []
+
+    def on_step(self, stats: StepStats) -> None:
+        self.steps.append(stats)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        self.requests.append(stats)

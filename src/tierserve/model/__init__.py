@@ -1,0 +1,1 @@
+"""Llama-family decoder over a paged KV cache, its loaders, shapes and tokenizer."""

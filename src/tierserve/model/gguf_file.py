@@ -1,0 +1,134 @@
+"""Read a llama.cpp GGUF file: model shape from metadata, tensors dequantized by `gguf`.
+
+Tensor names are translated to Hugging Face names here, once, so the weight mapping in
+`loader.py` knows one naming. llama.cpp's converter permutes the rows of Q and K of
+`llama`-architecture models (to interleave the rotary pairs); we undo that so the model
+uses the rotate-half layout of the Hugging Face checkpoints.
+"""
+
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from tierserve.errors import ModelLoadError, UnsupportedModelError
+from tierserve.model.shapes import ModelShape
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs",
+}
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: str):
+        import gguf
+
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"model file not found: {path}")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as exc:  # the reader raises ValueError, struct errors, IndexError...
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
+        self.path = path
+        self.arch = self.field("general.architecture")
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"GGUF architecture {self.arch!r} is not supported; tierserve runs "
+                f"Llama-family models ({', '.join(SUPPORTED_ARCHS)})")
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def shape(self) -> ModelShape:
+        a = self.arch
+
+        def req(key: str):
+            value = self.field(f"{a}.{key}")
+            if value is None:
+                raise ModelLoadError(f"{self.path}: GGUF metadata lacks {a}.{key}")
+            return value
+
+        num_heads = int(req("attention.head_count"))
+        hidden = int(req("embedding_length"))
+        names = {t.name for t in self.reader.tensors}
+        vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+        scaling = None
+        if self.field(f"{a}.rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear",
+                       "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0))}
+        return ModelShape(
+            name=str(self.field("general.name", os.path.basename(self.path))),
+            num_layers=int(req("block_count")),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
+            intermediate_size=int(req("feed_forward_length")),
+            vocab_size=int(vocab),
+            head_dim=int(self.field(f"{a}.attention.key_length", hidden // num_heads)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+        )
+
+    def tensors(self, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, float32 tensor) for every tensor, Q/K un-permuted."""
+        from gguf import quants
+
+        for t in self.reader.tensors:
+            qtype = t.tensor_type.name
+            if qtype not in SUPPORTED_QUANTS:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {t.name} uses quantization type {qtype}, which "
+                    f"tierserve does not load (supported: {', '.join(SUPPORTED_QUANTS)})")
+            name = hf_name(t.name)
+            if name is None:
+                continue
+            try:
+                array = quants.dequantize(t.data, t.tensor_type)
+            except Exception as exc:
+                raise ModelLoadError(f"{self.path}: cannot decode tensor {t.name} "
+                                     f"({qtype}): {exc}") from None
+            array = np.array(array, dtype=np.float32, copy=not array.flags.writeable).reshape(
+                tuple(int(d) for d in reversed(t.shape)))
+            tensor = torch.from_numpy(array)
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+                tensor = unpermute(tensor, shape.num_heads)
+            elif self.arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+                tensor = unpermute(tensor, shape.num_kv_heads)
+            yield name, tensor
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's Q/K row permutation (per head: interleaved -> halves)."""
+    rows = w.shape[0]
+    head_dim = rows // num_heads
+    return (w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape))

@@ -1,0 +1,60 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names)."""
+
+from dataclasses import dataclass, field
+
+from tierserve.errors import InvalidRequestError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    """0 means greedy (argmax); higher flattens the distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 or -1 keeps all."""
+    max_tokens: int | None = 16
+    """Most output tokens; None means up to the model's context length."""
+    min_tokens: int = 0
+    """EOS and stop token ids are banned until this many tokens are out."""
+    stop: list[str] | str | None = None
+    """Stop strings, matched on decoded text across token boundaries; not in the output."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end the request (kept in token_ids, not in text)."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same text whatever else is in the batch."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (for benchmarks)."""
+    skip_special_tokens: bool = True
+    """Drop special tokens from the decoded text."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or [])]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0, or -1 to disable"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must not exceed max_tokens"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop",
+             "must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers"),
+        ]
+        for ok, param, rule in checks:
+            if not ok:
+                value = getattr(self, param)
+                raise InvalidRequestError(f"{param} {rule}, got {value!r}", param=param)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,1 @@
+"""Turns a SchedulerOutput into tensors, runs the model, samples the next tokens."""

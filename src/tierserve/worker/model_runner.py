@@ -1,0 +1,99 @@
+"""ModelRunner: owns the model, the KV cache tensors and per-request sampling state.
+
+It receives a SchedulerOutput (ints and lists), packs it into tensors (decodes first,
+then prefill chunks), runs one forward pass, computes logits only for the sequences that
+sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
+"""
+
+import torch
+
+from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
+from tierserve.sampling_params import SamplingParams
+from tierserve.worker.sampler import SamplingState, sample
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        shape = model.shape
+        cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+        self.kv_caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
+                          for _ in range(shape.num_layers)]
+        self.states: dict[str, SamplingState] = {}
+        self._seed_stream = torch.Generator().manual_seed(seed)
+
+    def add_request(self, request_id: str, params: SamplingParams, eos_token_id: int | None):
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
+        banned = list(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            banned.append(eos_token_id)
+        self.states[request_id] = SamplingState(
+            params, torch.Generator().manual_seed(seed), banned)
+
+    def remove_request(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        seqs = sorted(output.seqs, key=lambda s: len(s.token_ids) > 1)   # decodes first
+        input_ids, positions, attn, sample_rows = self._prepare(seqs)
+        hidden = self.model(input_ids, positions, attn, self.kv_caches)
+        sampled = [s for s in seqs if s.sample]
+        if not sampled:
+            return RunnerOutput()
+        logits = self.model.compute_logits(hidden[sample_rows])
+        tokens = sample(logits, [self.states[s.request_id] for s in sampled],
+                        [s.num_output_tokens for s in sampled])
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)})
+
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        bs = self.block_size
+        input_ids, positions, slots, sample_rows = [], [], [], []
+        decodes, prefills = [], []
+        for seq in seqs:
+            start, n = seq.start_pos, len(seq.token_ids)
+            offset = len(input_ids)
+            input_ids += seq.token_ids
+            positions += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if seq.sample:
+                sample_rows.append(offset + n - 1)
+            (decodes if n == 1 else prefills).append((seq, offset))
+        attn = AttentionMetadata(
+            slot_mapping=self._tensor(slots), num_decodes=len(decodes),
+            decode_block_tables=None, decode_mask=None,
+            prefills=[self._prefill_chunk(seq, offset) for seq, offset in prefills])
+        if decodes:
+            attn.decode_block_tables, attn.decode_mask = self._decode_tables(
+                [seq for seq, _ in decodes])
+        return (self._tensor(input_ids), self._tensor(positions), attn,
+                self._tensor(sample_rows))
+
+    def _decode_tables(self, seqs: list[ScheduledSeq]):
+        width = max(len(s.block_table) for s in seqs)
+        tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        key_pos = torch.arange(width * self.block_size, device=self.device)
+        query_pos = self._tensor([s.start_pos for s in seqs])
+        mask = (key_pos.unsqueeze(0) <= query_pos.unsqueeze(1))          # [D, L]
+        return tables, mask[:, None, None, :]
+
+    def _prefill_chunk(self, seq: ScheduledSeq, offset: int) -> PrefillChunk:
+        n = len(seq.token_ids)
+        if seq.start_pos == 0:
+            return PrefillChunk(offset, offset + n, None, None)
+        num_blocks = -(-(seq.start_pos + n) // self.block_size)
+        key_pos = torch.arange(num_blocks * self.block_size, device=self.device)
+        query_pos = torch.arange(seq.start_pos, seq.start_pos + n, device=self.device)
+        mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)              # [n, L]
+        return PrefillChunk(offset, offset + n, self._tensor(seq.block_table[:num_blocks]), mask)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
