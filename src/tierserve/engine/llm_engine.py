@@ -57,7 +57,7 @@ class LLMEngine:
                                  num_blocks * cc.block_size)
         self.loaded = load_model(mc, max_positions=self.max_model_len)
         self.shape = self.loaded.shape
-        self.tokenizer = Tokenizer(self.loaded.tokenizer_source) \
+        self.tokenizer = Tokenizer.load(self.loaded.tokenizer_source) \
             if self.loaded.tokenizer_source else None
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)

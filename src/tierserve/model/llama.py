@@ -74,14 +74,15 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos().float().to(device)
         self.sin = freqs.sin().float().to(device)
 
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)                # [T, 1, d/2]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin for the step's positions: [T, 1, d/2] each, computed once per step."""
+        return (self.cos[positions].to(dtype).unsqueeze(1),
+                self.sin[positions].to(dtype).unsqueeze(1))
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)                                           # [T, H, d/2] each
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on [T, heads, d]."""
+    x1, x2 = x.chunk(2, dim=-1)                                           # [T, heads, d/2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
@@ -115,14 +116,14 @@ class Attention(nn.Module):
                                   bias=shape.attention_bias)
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, positions: Tensor, rope: RotaryEmbedding,
-                attn: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionMetadata,
+                kv_cache: tuple[Tensor, Tensor]) -> Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k heads rotate together: one RoPE call per layer.
+        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(q, k, positions)
         k_cache, v_cache = kv_cache                           # [blocks, block_size, Hkv, d]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, attn.slot_mapping, v)
@@ -137,8 +138,8 @@ class Attention(nn.Module):
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                 attn: AttentionMetadata) -> Tensor:
         D, group = q.shape[0], self.num_heads // self.num_kv_heads
-        keys = k_cache[attn.decode_block_tables].flatten(1, 2)   # [D, L, Hkv, d]
-        values = v_cache[attn.decode_block_tables].flatten(1, 2)
+        keys = _gather_blocks(k_cache, attn.decode_block_tables)   # [D, L, Hkv, d]
+        values = _gather_blocks(v_cache, attn.decode_block_tables)
         # The `group` query heads sharing a KV head attend as `group` query rows.
         qg = q.view(D, self.num_kv_heads, group, self.head_dim)    # [D, Hkv, g, d]
         o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
@@ -151,13 +152,23 @@ class Attention(nn.Module):
         if chunk.block_table is None:
             keys, values, mask = k[chunk.start:chunk.end], v[chunk.start:chunk.end], None
         else:
-            keys = k_cache[chunk.block_table].flatten(0, 1)         # [L, Hkv, d]
-            values = v_cache[chunk.block_table].flatten(0, 1)
+            keys = _gather_blocks(k_cache, chunk.block_table)       # [L, Hkv, d]
+            values = _gather_blocks(v_cache, chunk.block_table)
             mask = chunk.mask
         o = F.scaled_dot_product_attention(
             qc, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return o[0].transpose(0, 1)                                  # [n, H, d]
+
+
+def _gather_blocks(cache: Tensor, block_tables: Tensor) -> Tensor:
+    """cache [blocks, block_size, Hkv, d], tables [..., n] -> [..., n * block_size, Hkv, d].
+
+    index_select over whole blocks viewed as rows copies each block in one piece, about
+    three times faster than advanced indexing of the 4-D cache."""
+    num_blocks, block_size, heads, dim = cache.shape
+    rows = cache.view(num_blocks, -1).index_select(0, block_tables.flatten())
+    return rows.view(*block_tables.shape[:-1], block_tables.shape[-1] * block_size, heads, dim)
 
 
 class MLP(nn.Module):
@@ -180,9 +191,9 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.mlp = MLP(shape)
 
-    def forward(self, h: Tensor, positions: Tensor, rope: RotaryEmbedding,
-                attn: AttentionMetadata, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        h = h + self.attn(_rms_norm(h, self.input_norm, self.eps), positions, rope, attn, kv_cache)
+    def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionMetadata,
+                kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        h = h + self.attn(_rms_norm(h, self.input_norm, self.eps), rope, attn, kv_cache)
         return h + self.mlp(_rms_norm(h, self.post_attn_norm, self.eps))
 
 
@@ -198,18 +209,19 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(shape, max_positions)
         self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
-        self.lm_head = None if shape.tie_word_embeddings else nn.Linear(
-            shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        rope = self.rope(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, positions, self.rope, attn, kv_cache)
+            h = layer(h, rope, attn, kv_cache)
         return _rms_norm(h, self.norm, self.shape.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()

@@ -89,6 +89,8 @@ def _build(shape: ModelShape, max_positions: int, dtype, device) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(shape, max_positions)
     model = model.to_empty(device=device).to(dtype)
+    if shape.tie_word_embeddings:  # to_empty unties shared parameters
+        model.lm_head.weight = model.embed_tokens.weight
     model.rope = type(model.rope)(shape, max_positions).to(device)  # tables stay float32
     return model.eval().requires_grad_(False)
 
@@ -139,7 +141,7 @@ def _target(model: LlamaModel, name: str, q: int, kv: int, inter: int):
     if name == "model.norm.weight":
         return model.norm, None, None
     if name == "lm_head.weight":
-        return (model.lm_head.weight, None, None) if model.lm_head is not None else None
+        return None if model.shape.tie_word_embeddings else (model.lm_head.weight, None, None)
     parts = name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"]:
         return None

@@ -5,6 +5,7 @@ rebuilds a fast tokenizer from them. A Hugging Face folder has tokenizer.json an
 tokenizer_config.json. No BPE is written here.
 """
 
+import functools
 import os
 
 from tierserve.errors import InvalidRequestError, ModelLoadError
@@ -26,6 +27,12 @@ class Tokenizer:
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.vocab_size = len(self.hf)
         self.all_special_ids = set(self.hf.all_special_ids)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4)
+    def load(source: str) -> "Tokenizer":
+        """A shared, read-only tokenizer per source (building one from GGUF takes seconds)."""
+        return Tokenizer(source)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Plain prompts get the model's BOS if it wants one; templated text has its own."""

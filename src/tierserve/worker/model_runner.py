@@ -8,6 +8,7 @@ sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
 import torch
 
 from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from tierserve.model.cpu_linear import can_pack, pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
 from tierserve.sampling_params import SamplingParams
 from tierserve.worker.sampler import SamplingState, sample
@@ -15,6 +16,8 @@ from tierserve.worker.sampler import SamplingState, sample
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
+        if can_pack(model):
+            pack_linears(model)
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())

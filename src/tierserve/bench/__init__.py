@@ -1,0 +1,1 @@
+"""Benchmarks that ship with the package (the scripts in benchmarks/ call these)."""

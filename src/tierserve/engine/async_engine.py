@@ -1,0 +1,108 @@
+"""AsyncEngine: the step loop as an asyncio task, with a stream of deltas per request.
+
+NOTE: threading. `LLMEngine.step()` runs in a worker thread so the event loop stays free
+for I/O; nothing else touches the engine while a step is in flight. Requests added or
+aborted during a step are queued and applied the moment it returns; when no step is in
+flight they are applied at once. So `abort()` frees the request's KV blocks at once, or
+right after the step that is running.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from tierserve.engine.llm_engine import LLMEngine
+from tierserve.engine.outputs import RequestOutput
+from tierserve.sampling_params import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_aborts: list[str] = []
+        self._stepping = False
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self.errored: BaseException | None = None
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs (each with its delta) until it finishes.
+        Leaving the iteration early (client gone) aborts the request."""
+        request_id = await self.add_request(prompt, params, request_id)
+        stream = self._streams[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    async def add_request(self, prompt, params: SamplingParams,
+                          request_id: str | None = None) -> str:
+        self.start()
+        while self._stepping:  # the engine is not thread-safe: wait for the running step
+            await asyncio.sleep(0.0005)
+        request_id = self.engine.add_request(request_id, prompt, params)
+        self._streams[request_id] = asyncio.Queue()
+        self._wake.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        if self._stepping:
+            self._pending_aborts.append(request_id)
+        else:
+            self._abort_now(request_id)
+
+    def _abort_now(self, request_id: str) -> None:
+        out = self.engine.abort_request(request_id)
+        stream = self._streams.get(request_id)
+        if out is not None and stream is not None:
+            stream.put_nowait(out)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._wake.clear()
+                await self._wake.wait()
+            self._stepping = True
+            try:
+                outputs = await loop.run_in_executor(None, self.engine.step)
+            except Exception as exc:  # a failed step fails every request in flight
+                self.errored = exc
+                self._fail_all(exc)
+                outputs = []
+            finally:
+                self._stepping = False
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+            while self._pending_aborts:
+                self._abort_now(self._pending_aborts.pop())
+            await asyncio.sleep(0)  # let handlers add requests between steps
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.put_nowait(exc)

@@ -1,0 +1,94 @@
+"""Shared test helpers: scheduler builders (no torch) and real-model engines (CPU)."""
+
+import pytest
+
+from tierserve.config import SchedulerConfig
+from tierserve.core.block_manager import BlockManager
+from tierserve.core.request import Request
+from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
+                   chunked=True, prefix_caching=True, max_model_len=1024) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, prefix_caching)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enable_chunked_prefill=chunked)
+    return Scheduler(cfg, bm, max_model_len)
+
+
+def make_requests(n, prompt_len=10, max_tokens=5, start=0, arrival_step=1.0, prompts=None):
+    out = []
+    for i in range(n):
+        prompt = prompts[i] if prompts else [100 + 7 * i + j for j in range(prompt_len)]
+        out.append(Request(request_id=f"r{start + i}", prompt_token_ids=list(prompt),
+                           max_tokens=max_tokens, arrival_time=(start + i) * arrival_step))
+    return out
+
+
+class FakeRunner:
+    """Samples a deterministic token per request: (request number * 31 + position) % 997."""
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        sampled = {}
+        for s in output.seqs:
+            if s.sample:
+                sampled[s.request_id] = 3 + (s.start_pos + len(s.token_ids)) % 997
+        return RunnerOutput(sampled)
+
+
+def run_to_completion(scheduler: Scheduler, runner=None, max_steps=10_000, check=True):
+    runner = runner or FakeRunner()
+    steps = []
+    while scheduler.has_unfinished():
+        out = scheduler.schedule()
+        steps.append(out)
+        scheduler.update(out, runner.execute(out))
+        if check:
+            check_scheduler_invariants(scheduler, out)
+        assert len(steps) < max_steps, "scheduler made no progress"
+    return steps
+
+
+def check_scheduler_invariants(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    bm = scheduler.block_manager
+    bm.check_invariants()
+    assert out.num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+    assert len(out.seqs) <= scheduler.config.max_num_seqs
+    assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    held = sum(len(r.block_table) for r in scheduler.requests.values())
+    assert held == sum(b.ref_count for b in bm.blocks)
+
+
+# ------------------------------------------------------------- real model
+@pytest.fixture(scope="session")
+def default_model_path():
+    from tierserve.model.loader import default_model_path
+    return default_model_path()
+
+
+_ENGINES: dict = {}
+
+
+def get_engine(**kwargs):
+    """A float32 engine on the default model, cached per configuration for the session."""
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.llm import engine_config
+
+    kwargs.setdefault("dtype", "float32")
+    key = tuple(sorted(kwargs.items()))
+    if key not in _ENGINES:
+        _ENGINES[key] = LLMEngine(engine_config(**kwargs))
+    return _ENGINES[key]
+
+
+def generate(engine, prompts, params):
+    """Run prompts to completion on `engine`; outputs in input order."""
+    ids = [engine.add_request(None, p, params if not isinstance(params, list) else params[i])
+           for i, p in enumerate(prompts)]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
