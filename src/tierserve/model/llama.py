@@ -71,19 +71,21 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_positions, dtype=torch.float64)
         freqs = torch.outer(t, self.inv_freq)                             # [P, d/2]
         device = self.cos.device
-        self.cos = freqs.cos().float().to(device)
-        self.sin = freqs.sin().float().to(device)
+        # Full-width tables: out = x * cos + swap_halves(x) * sin, with the sign folded in.
+        self.cos = torch.cat([freqs.cos()] * 2, dim=-1).float().to(device)          # [P, d]
+        self.sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1).float().to(device)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos, sin for the step's positions: [T, 1, d/2] each, computed once per step."""
+        """cos, signed sin for the step's positions: [T, 1, d] each, once per step."""
         return (self.cos[positions].to(dtype).unsqueeze(1),
                 self.sin[positions].to(dtype).unsqueeze(1))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE on [T, heads, d]."""
-    x1, x2 = x.chunk(2, dim=-1)                                           # [T, heads, d/2]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half RoPE on [T, heads, d]: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    T, heads, d = x.shape
+    swapped = x.view(T, heads, 2, d // 2).flip(2).view(T, heads, d)       # (x2, x1)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 def _scale_frequencies(inv_freq: Tensor, scaling: dict | None) -> Tensor:
@@ -127,9 +129,11 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache                           # [blocks, block_size, Hkv, d]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, attn.slot_mapping, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, attn.slot_mapping, v)
+        D = attn.num_decodes
+        if D == T:                                            # a decode-only step
+            return self.o_proj(self._decode(q, k_cache, v_cache, attn).view(T, self.q_size))
         out = torch.empty_like(q)                             # [T, H, d]
-        if attn.num_decodes:
-            D = attn.num_decodes
+        if D:
             out[:D] = self._decode(q[:D], k_cache, v_cache, attn)
         for chunk in attn.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, k_cache, v_cache, chunk)
