@@ -3,8 +3,8 @@
 Both sides dequantize the same Q4_1/Q8_0 blocks with `gguf`, and transformers undoes
 llama.cpp's Q/K permutation with its own code, so this checks our loader, RoPE layout,
 GQA and the paged-KV attention path against an independent implementation.
-Bound: max |logit difference| < 2e-3 over all vocabulary entries (logits here span
-about -20..+30; the differences come from summation order only).
+Bound: max |logit difference| < 1e-3 over all vocabulary entries (logits here span
+about -31..+38; measured 7.5e-5 on the prefill; differences come from summation order).
 """
 
 import os
@@ -15,7 +15,7 @@ import torch
 from tierserve.core.scheduler import ScheduledSeq, SchedulerOutput
 from tierserve.model.llama import AttentionMetadata  # noqa: F401  (documented input type)
 
-BOUND = 2e-3
+BOUND = 1e-3
 
 
 @pytest.fixture(scope="module")

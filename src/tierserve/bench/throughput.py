@@ -88,6 +88,7 @@ def _hf_model(path: str, dtype: str):
 
     if (path, dtype) not in _HF_CACHE:
         transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
         folder, name = os.path.split(os.path.abspath(path))
         kwargs = {"gguf_file": name} if not os.path.isdir(path) else {}
         _HF_CACHE[(path, dtype)] = transformers.AutoModelForCausalLM.from_pretrained(
