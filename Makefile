@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 serve: install
-	$(VENV)/bin/tierserve generate --chat "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/tierserve serve --host 127.0.0.1 --port 8000
 
 test: install
 	$(PY) -m pytest -q

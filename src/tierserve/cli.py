@@ -100,6 +100,12 @@ def cmd_bench_throughput(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from tierserve.server.serve import serve
+
+    return serve(args, build_parser())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierserve",
@@ -113,6 +119,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                     help="model to serve (same as --model)")
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="listen address (default 127.0.0.1; other addresses need api_keys)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    srv.add_argument("--config", default=None,
+                     help="YAML file; its keys mirror these flags (max_num_seqs: 32), plus "
+                          "api_keys, strict_tiers, queue_limits; flags given win")
+    srv.add_argument("--served-model-name", default=None,
+                     help="name clients send as `model` (default: from the model file)")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

@@ -24,6 +24,43 @@ class UnsupportedModelError(ModelLoadError):
 class InvalidRequestError(TierserveError):
     """A request's parameters are invalid (bad sampling values, prompt too long...)."""
 
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus requested output exceed the model's context length."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message, param, code="context_length_exceeded")
+
+
+class AuthenticationError(TierserveError):
+    """Missing or unknown API key."""
+
+
+class TierNotAllowedError(TierserveError):
+    """The key may not use the requested tier and the server is configured strict."""
+
+
+class NotFoundError(TierserveError):
+    """Unknown model, file, batch or route."""
+
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class RequestTooLargeError(TierserveError):
+    """The request body exceeds the configured limit."""
+
+
+class OverloadedError(TierserveError):
+    """A queue is full, or a flex request waited past its limit: retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, code: str = "rate_limit_exceeded"):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.code = code

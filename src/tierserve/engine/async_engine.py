@@ -43,6 +43,11 @@ class AsyncEngine:
         """Add a request and yield its outputs (each with its delta) until it finishes.
         Leaving the iteration early (client gone) aborts the request."""
         request_id = await self.add_request(prompt, params, request_id)
+        async for out in self.stream(request_id):
+            yield out
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of an added request until it finishes; closing early aborts it."""
         stream = self._streams[request_id]
         finished = False
         try:

@@ -11,7 +11,7 @@ from tierserve.core.scheduler import Scheduler, SchedulerOutput
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
 from tierserve.engine.stats import RequestStats, SeqStepStats, StatSink, StepStats
-from tierserve.errors import ConfigError, InvalidRequestError
+from tierserve.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tierserve.sampling_params import SamplingParams
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -31,7 +31,8 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, clock: Clock | None = None,
-                 stat_sinks: list[StatSink] | None = None):
+                 stat_sinks: list[StatSink] | None = None, progress=None):
+        """`progress`, if given, is called with a line per loading stage."""
         from tierserve.model.loader import load_model
         from tierserve.model.tokenizer import Tokenizer
         from tierserve.worker.model_runner import ModelRunner
@@ -55,7 +56,10 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or min(shape.max_position_embeddings,
                                                          MAX_DEFAULT_MODEL_LEN),
                                  num_blocks * cc.block_size)
+        say = progress or (lambda line: None)
+        say(f"loading weights of {mc.model or 'the default model'} ({mc.dtype}, {mc.device})")
         self.loaded = load_model(mc, max_positions=self.max_model_len)
+        say(f"loaded {self.loaded.shape.num_params / 1e6:.0f}M parameters; loading tokenizer")
         self.shape = self.loaded.shape
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_source) \
             if self.loaded.tokenizer_source else None
@@ -63,6 +67,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed)
+        say(f"KV cache: {num_blocks} blocks of {cc.block_size} tokens; "
+            f"max_model_len {self.max_model_len}")
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._step_index = 0
@@ -113,13 +119,13 @@ class LLMEngine:
     def _check_lengths(self, prompt_ids: list[int], params: SamplingParams) -> int:
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens; this model's maximum context "
                 f"length is {self.max_model_len} tokens", param="messages")
         if params.max_tokens is None:
             return room
         if params.max_tokens > room:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the "
                 f"prompt has {len(prompt_ids)} and max_tokens asks for {params.max_tokens}",
                 param="max_tokens")
@@ -131,6 +137,11 @@ class LLMEngine:
         if request is None:
             return None
         return self._output(self._tracked[request_id], self.clock.now())
+
+    def served_tier(self, tier: str) -> str:
+        """The tier a request asking for `tier` is served in. The FCFS scheduler serves
+        every request alike, so today that is always `default`."""
+        return "default"
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

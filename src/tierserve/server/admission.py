@@ -1,0 +1,45 @@
+"""Admission control: bounded per-tier queues, so load gets 429s and never a 500.
+
+A request is *queued* from acceptance until its first output (it holds a slot in the
+engine's waiting queue or its prefill), then *running* until it finishes. Only queued
+requests count against `queue_limits`: running ones are bounded by max_num_seqs.
+"""
+
+import math
+from collections import Counter
+
+from tierserve.errors import OverloadedError
+
+
+class Admission:
+    def __init__(self, limits: dict[str, int], max_num_seqs: int):
+        self.limits = dict(limits)
+        self.max_num_seqs = max_num_seqs
+        self.queued: Counter[str] = Counter()
+        self.running: Counter[str] = Counter()
+        self._recent_e2e_s = 1.0
+
+    def admit(self, tier: str, n: int = 1) -> None:
+        limit = self.limits.get(tier)
+        if limit is not None and self.queued[tier] + n > limit:
+            raise OverloadedError(
+                f"the {tier} tier's queue is full ({limit} requests waiting); retry later",
+                retry_after_s=self.retry_after_s(tier))
+        self.queued[tier] += n
+
+    def started(self, tier: str) -> None:
+        self.queued[tier] -= 1
+        self.running[tier] += 1
+
+    def finished(self, tier: str, started: bool, e2e_s: float | None = None) -> None:
+        if started:
+            self.running[tier] -= 1
+        else:
+            self.queued[tier] -= 1
+        if e2e_s is not None:
+            self._recent_e2e_s = 0.9 * self._recent_e2e_s + 0.1 * e2e_s
+
+    def retry_after_s(self, tier: str) -> int:
+        """Seconds until about one queue's worth of work has drained."""
+        waves = self.queued[tier] / max(self.max_num_seqs, 1)
+        return max(1, math.ceil(waves * self._recent_e2e_s))

@@ -1,0 +1,344 @@
+"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
+
+`create_app(engine, settings)` holds all state on `app.state.tierserve`; nothing is global.
+Errors are typed (`tierserve.errors`) and mapped to status codes once, in `ERRORS`.
+"""
+
+import asyncio
+import contextlib
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tierserve.engine.async_engine import AsyncEngine
+from tierserve.engine.stats import RequestStats
+from tierserve.errors import (AuthenticationError, ContextLengthError, InvalidRequestError,
+                              NotFoundError, OverloadedError, RequestTooLargeError,
+                              TierNotAllowedError, TierserveError)
+from tierserve.server import openai_format as fmt
+from tierserve.server.admission import Admission
+from tierserve.server.metrics import Metrics
+from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant, resolve_tier
+
+ERRORS: list[tuple[type[Exception], int, str]] = [
+    # exception type, HTTP status, OpenAI error type (first match wins)
+    (ContextLengthError, 400, "invalid_request_error"),
+    (InvalidRequestError, 400, "invalid_request_error"),
+    (AuthenticationError, 401, "invalid_request_error"),
+    (TierNotAllowedError, 403, "permission_error"),
+    (NotFoundError, 404, "invalid_request_error"),
+    (RequestTooLargeError, 413, "invalid_request_error"),
+    (OverloadedError, 429, "rate_limit_error"),
+]
+_DEFAULT_CODES = {401: "invalid_api_key", 403: "tier_not_allowed", 404: "not_found",
+                  413: "request_too_large"}
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    for etype, status, otype in ERRORS:
+        if isinstance(exc, etype):
+            code = getattr(exc, "code", None) or _DEFAULT_CODES.get(status)
+            headers = ({"Retry-After": str(exc.retry_after_s)}
+                       if isinstance(exc, OverloadedError) else None)
+            body = fmt.error_body(str(exc), otype, getattr(exc, "param", None), code)
+            return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(fmt.error_body("internal error: " + str(exc), "server_error",
+                                       code="internal_error"), status_code=500)
+
+
+class ServerState:
+    """Everything the routes share. The engine is attached once the model has loaded."""
+
+    def __init__(self, settings: ServerSettings, model_name: str):
+        self.settings = settings
+        self.model_name = model_name
+        self.metrics = Metrics(model_name)
+        self.engine: AsyncEngine | None = None
+        self.admission: Admission | None = None
+        self.tier_of: dict[str, str] = {}
+
+    def attach(self, engine: AsyncEngine) -> None:
+        engine.engine.stat_sinks += [self.metrics, self]
+        self.admission = Admission(self.settings.queue_limits,
+                                   engine.engine.config.scheduler.max_num_seqs)
+        self.engine = engine
+
+    def on_step(self, stats) -> None:
+        pass
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        self.metrics.observe_request(self.tier_of.pop(stats.request_id, "default"), stats)
+
+    def ready_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise OverloadedError("the model is still loading", retry_after_s=5,
+                                  code="model_loading")
+        return self.engine
+
+    def authenticate(self, request: Request) -> Tenant:
+        keys = self.settings.api_keys
+        if not keys:
+            return OPEN_TENANT
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else ""
+        if key not in keys:
+            raise AuthenticationError("missing or invalid API key (Authorization: Bearer ...)")
+        return keys[key]
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise NotFoundError(f"the model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`", param="model")
+
+    def tier_for(self, requested: str | None, tenant: Tenant) -> str:
+        tier = resolve_tier(requested, tenant)
+        wanted = "default" if requested in (None, "auto") else requested
+        if tier is None or (tier != wanted and self.settings.strict_tiers):
+            raise TierNotAllowedError(f"tenant {tenant.name!r} may not use the {wanted} tier "
+                                      f"(allowed: {', '.join(tenant.tiers)})")
+        return self.engine.engine.served_tier(tier)
+
+
+def create_app(engine: AsyncEngine | None, settings: ServerSettings,
+               model_name: str = "default") -> FastAPI:
+    settings.validate()
+    state = ServerState(settings, model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if state.engine is not None:
+            await state.engine.stop()
+
+    app = FastAPI(title="tierserve", lifespan=lifespan)
+    app.state.tierserve = state
+    if engine is not None:
+        state.attach(engine)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if state.engine.errored is not None:
+            return JSONResponse({"status": "error", "detail": str(state.engine.errored)},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.authenticate(request)
+        eng = state.ready_engine().engine
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "tierserve",
+            "max_model_len": eng.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        if state.admission is not None:
+            state.metrics.set_queue_gauges(state.admission.queued, state.admission.running)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        tenant = state.authenticate(request)
+        engine = state.ready_engine()
+        state.check_model(body.model)
+        tokenizer = engine.engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = tokenizer.apply_chat_template(messages)
+        return await _serve(state, "chat", body, [prompt], tenant)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        tenant = state.authenticate(request)
+        state.ready_engine()
+        state.check_model(body.model)
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return await _serve(state, "completion", body, prompts, tenant)
+
+    return app
+
+
+async def _serve(state: ServerState, kind: str, body, prompts: list, tenant: Tenant):
+    """Admit, add every choice to the engine, then answer whole or as a stream."""
+    if body.n > state.settings.max_n:
+        raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
+    engine = state.ready_engine()
+    tier = state.tier_for(body.service_tier, tenant)
+    params = [body.sampling_params(i) for i in range(body.n)]
+    state.admission.admit(tier, len(prompts) * body.n)
+    run = ChoiceRun(state, engine, tier, expected=len(prompts) * body.n)
+    try:
+        for prompt in prompts:
+            for p in params:
+                await run.add(prompt, p)
+    except Exception:
+        run.close()
+        raise
+    rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    if body.stream:
+        return StreamingResponse(_sse(run, kind, rid, state.model_name, tier, body,
+                                      len(prompts)),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    try:
+        finals = {}
+        async for index, out in run.outputs():
+            if out.finished:
+                finals[index] = out
+    finally:
+        run.close()
+    outputs = [finals[i] for i in range(len(run.request_ids))]
+    return fmt.completion_body(kind, rid, state.model_name, tier, outputs, len(prompts))
+
+
+async def _sse(run: "ChoiceRun", kind: str, rid: str, model: str, tier: str, body,
+               num_prompts: int):
+    include_usage = body.include_usage
+    started, finals = set(), {}
+    try:
+        async for index, out in run.outputs():
+            first = index not in started
+            started.add(index)
+            text = out.delta_text
+            if text or first:
+                yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage)
+            if out.finished:
+                finals[index] = out
+                yield fmt.chunk(kind, rid, model, tier, index, None,
+                                out.outputs[0].finish_reason, include_usage=include_usage)
+        if include_usage:
+            outputs = [finals[i] for i in range(len(run.request_ids))]
+            yield fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)
+        yield "data: [DONE]\n\n"
+    finally:
+        run.close()  # a client that left aborts whatever is still running
+
+
+class ChoiceRun:
+    """The engine requests behind one HTTP request (n choices x prompts), merged into one
+    stream of (choice index, output); keeps admission counts right whatever happens."""
+
+    def __init__(self, state: ServerState, engine: AsyncEngine, tier: str, expected: int):
+        self.state, self.engine, self.tier = state, engine, tier
+        self.expected = expected
+        """Admission slots taken for this run: one per choice, added or not."""
+        self.request_ids: list[str] = []
+        self._started: set[str] = set()
+        self._done: set[str] = set()
+        self._closed = False
+
+    async def add(self, prompt, params) -> None:
+        rid = await self.engine.add_request(prompt, params)
+        self.state.tier_of[rid] = self.tier
+        self.request_ids.append(rid)
+
+    async def outputs(self):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, rid: str):
+            try:
+                async for out in self.engine.stream(rid):
+                    queue.put_nowait((index, out))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.request_ids)]
+        try:
+            while len(self._done) < len(self.request_ids):
+                index, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                self._account(self.request_ids[index], out)
+                yield index, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _account(self, rid: str, out) -> None:
+        adm = self.state.admission
+        if out.delta_token_ids and rid not in self._started:
+            self._started.add(rid)
+            adm.started(self.tier)
+        if out.finished and rid not in self._done:
+            self._done.add(rid)
+            adm.finished(self.tier, rid in self._started, out.metrics and out.metrics.e2e_s)
+
+    def close(self) -> None:
+        """Abort unfinished choices and release their admission slots (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in self.request_ids:
+            if rid not in self._done:
+                self.engine.abort(rid)
+                self._done.add(rid)
+                self.state.admission.finished(self.tier, rid in self._started)
+        for _ in range(self.expected - len(self.request_ids)):  # never added (an error)
+            self.state.admission.finished(self.tier, False)
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over the limit, by header or as it streams in."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            response = error_response(RequestTooLargeError(
+                f"request body of {int(length)} bytes exceeds the {self.limit}-byte limit"))
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise RequestTooLargeError(f"request body exceeds the {self.limit}-byte limit")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TierserveError)
+    async def on_tierserve_error(request, exc):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message, param = "the request body is not valid JSON", None
+        return error_response(InvalidRequestError(
+            f"{param}: {message}" if param else message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, exc: StarletteHTTPException):
+        otype = "invalid_request_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return JSONResponse(fmt.error_body(str(exc.detail), otype, code=code),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request, exc: Exception):
+        return error_response(exc)

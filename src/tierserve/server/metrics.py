@@ -1,0 +1,106 @@
+"""Prometheus metrics: base units, `tierserve_` prefix, `tier` and `model` labels only.
+
+Step-level figures come from the engine's StepStats (this class is a StatSink);
+request-level figures are observed by the server when a request finishes, because the
+server knows the tier a request was served in. Each app has its own registry.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tierserve.engine.stats import RequestStats, StepStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Metrics:
+    def __init__(self, model: str):
+        self.model = model
+        self.registry = r = CollectorRegistry()
+        tm = ["tier", "model"]
+
+        def hist(name, doc, buckets=_LATENCY_BUCKETS, labels=tm):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = hist("tierserve_time_to_first_token_seconds", "Arrival to first token.")
+        self.itl = hist("tierserve_inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = hist("tierserve_e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = hist("tierserve_request_queue_time_seconds", "Arrival to first scheduling.")
+        self.prefill = hist("tierserve_request_prefill_time_seconds",
+                            "First scheduling to first token.")
+        self.decode = hist("tierserve_request_decode_time_seconds", "First token to finish.")
+        self.prompt_tokens = Counter("tierserve_prompt_tokens", "Prompt tokens.", tm, registry=r)
+        self.generation_tokens = Counter("tierserve_generation_tokens", "Output tokens.", tm,
+                                         registry=r)
+        self.cached_tokens = Counter("tierserve_prompt_cached_tokens",
+                                     "Prompt tokens served from the prefix cache.", tm,
+                                     registry=r)
+        self.finished = Counter("tierserve_request_finished", "Finished requests by reason.",
+                                tm + ["finish_reason"], registry=r)
+        self.wasted = Counter("tierserve_wasted_tokens",
+                              "Tokens recomputed after preemption.", tm, registry=r)
+        self.running = Gauge("tierserve_requests_running", "Requests producing tokens.", tm,
+                             registry=r)
+        self.waiting = Gauge("tierserve_requests_waiting", "Requests accepted, no token yet.",
+                             tm, registry=r)
+        self.kv_usage = Gauge("tierserve_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+                              ["model"], registry=r)
+        self.preemptions = Counter("tierserve_preemptions", "Requests preempted.", ["model"],
+                                   registry=r)
+        self.step_tokens = hist("tierserve_step_tokens", "Tokens per engine step.",
+                                buckets=_TOKEN_BUCKETS, labels=["model"])
+        self.step_seqs = hist("tierserve_step_sequences", "Sequences per engine step (batch size).",
+                              buckets=_TOKEN_BUCKETS, labels=["model"])
+        self.step_time = hist("tierserve_step_duration_seconds", "Engine step time.",
+                              labels=["model"])
+
+    # StatSink ------------------------------------------------------------
+    def on_step(self, s: StepStats) -> None:
+        m = self.model
+        self.kv_usage.labels(m).set(s.kv_usage)
+        if s.num_preempted:
+            self.preemptions.labels(m).inc(s.num_preempted)
+        self.step_tokens.labels(m).observe(s.num_tokens)
+        self.step_seqs.labels(m).observe(s.num_seqs)
+        self.step_time.labels(m).observe(s.duration_s)
+
+    def on_request_finished(self, stats: RequestStats) -> None:
+        """Request figures are observed with their tier by `observe_request`."""
+
+    # server side ---------------------------------------------------------
+    def observe_request(self, tier: str, s: RequestStats) -> None:
+        labels = (tier, self.model)
+        for hist, value in ((self.ttft, s.ttft_s), (self.e2e, s.e2e_s),
+                            (self.queue, s.queue_s), (self.prefill, prefill_s(s)),
+                            (self.decode, decode_s(s))):
+            if value is not None:
+                hist.labels(*labels).observe(value)
+        itl = self.itl.labels(*labels)
+        for gap in s.inter_token_s:
+            itl.observe(gap)
+        self.prompt_tokens.labels(*labels).inc(s.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(s.num_output_tokens)
+        self.cached_tokens.labels(*labels).inc(s.num_cached_tokens)
+        self.wasted.labels(*labels).inc(s.num_recomputed_tokens)
+        self.finished.labels(*labels, s.finish_reason or "error").inc()
+
+    def set_queue_gauges(self, queued: dict, running: dict) -> None:
+        for tier in set(queued) | set(running):
+            self.waiting.labels(tier, self.model).set(queued.get(tier, 0))
+            self.running.labels(tier, self.model).set(running.get(tier, 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def prefill_s(s: RequestStats) -> float | None:
+    if s.first_token_time is None or s.first_scheduled_time is None:
+        return None
+    return s.first_token_time - s.first_scheduled_time
+
+
+def decode_s(s: RequestStats) -> float | None:
+    if s.finished_time is None or s.first_token_time is None:
+        return None
+    return s.finished_time - s.first_token_time

@@ -1,0 +1,121 @@
+"""`tierserve serve`: settings from flags and YAML, listen at once, load the model, serve.
+
+The server listens while the model loads (`/health` answers 503 "loading" until then),
+so orchestrators can tell "starting" from "dead".
+"""
+
+import asyncio
+import os
+import sys
+
+from tierserve.errors import ConfigError, TierserveError
+
+_SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n"}
+
+
+def load_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings")
+    return data
+
+
+def merge_config(args, parser, data: dict) -> dict:
+    """Copy YAML values onto args wherever the flag was left at its default."""
+    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+    extra = {}
+    for key, value in data.items():
+        key = key.replace("-", "_")
+        if key in _SETTINGS_ONLY:
+            extra[key] = value
+        elif key == "model" or hasattr(args, key):
+            if getattr(args, key) == serve_parser.get_default(key):
+                setattr(args, key, value)
+        else:
+            raise ConfigError(f"unknown setting {key!r} in the config file")
+    return extra
+
+
+def default_model_name(model: str | None, load_format: str) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    if load_format == "dummy":
+        return model
+    name = os.path.basename(os.path.normpath(model))
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def build(args, parser):
+    from tierserve.cli import engine_config_from_args
+    from tierserve.server.settings import ServerSettings
+
+    if args.model_pos is not None:
+        args.model = args.model_pos
+    extra = merge_config(args, parser, load_yaml(args.config)) if args.config else {}
+    settings = ServerSettings(
+        host=args.host, port=args.port, served_model_name=args.served_model_name,
+        api_keys=ServerSettings.parse_api_keys(extra.get("api_keys", {})),
+        strict_tiers=bool(extra.get("strict_tiers", False)))
+    if "queue_limits" in extra:
+        settings.queue_limits.update(extra["queue_limits"])
+    for key in ("max_body_bytes", "max_n"):
+        if key in extra:
+            setattr(settings, key, int(extra[key]))
+    settings.validate()
+    config = engine_config_from_args(args)
+    config.validate()
+    name = settings.served_model_name or default_model_name(args.model, args.load_format)
+    return settings, config, name
+
+
+def serve(args, parser) -> int:
+    import uvicorn
+
+    from tierserve.engine.async_engine import AsyncEngine
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.server.app import create_app
+
+    settings, config, name = build(args, parser)
+    app = create_app(None, settings, name)
+    state = app.state.tierserve
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning", lifespan="on"))
+    url = f"http://{settings.host}:{settings.port}"
+    failure: list[BaseException] = []
+
+    def say(line: str) -> None:
+        print(f"tierserve: {line}", file=sys.stderr, flush=True)
+
+    async def load() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        say(f"listening on {url} (loading {name}; /health says 503 until ready)")
+        try:
+            engine = await asyncio.to_thread(LLMEngine, config, None, None, say)
+        except Exception as exc:  # report and stop the server
+            failure.append(exc)
+            server.should_exit = True
+            return
+        state.attach(AsyncEngine(engine))
+        say(f"ready: serving {name} at {url}/v1")
+
+    async def main() -> None:
+        task = asyncio.create_task(load())
+        await server.serve()
+        task.cancel()
+
+    asyncio.run(main())
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, TierserveError):
+            raise exc
+        raise TierserveError(f"model failed to load: {exc}") from exc
+    return 0

@@ -1,0 +1,102 @@
+"""Server settings: listen address, tenants and their keys, tier admission limits.
+
+Loaded from flags and from a YAML file whose keys mirror the flags (`--max-num-seqs` is
+`max_num_seqs:`); tenants and queue limits are YAML-only structures:
+
+    api_keys:
+      sk-team-a: {tenant: team-a, tiers: [priority, default, flex]}
+      sk-batchy: {tenant: analytics, tiers: [flex]}
+    strict_tiers: false
+    queue_limits: {priority: 16, default: 128, flex: 256}
+"""
+
+import ipaddress
+from dataclasses import dataclass, field
+
+from tierserve.errors import ConfigError
+
+TIERS = ("priority", "default", "flex", "batch")
+"""Best first."""
+REQUEST_TIERS = ("auto", "default", "flex", "priority")
+"""What `service_tier` may say on the wire (batch comes only from /v1/batches)."""
+
+
+@dataclass
+class Tenant:
+    name: str
+    """Who is billed; appears in logs and, later, in the ledger."""
+    tiers: list[str] = field(default_factory=lambda: ["priority", "default", "flex"])
+    """Tiers this tenant's key may use."""
+
+
+OPEN_TENANT = Tenant("anonymous")
+
+
+@dataclass
+class ServerSettings:
+    host: str = "127.0.0.1"
+    """Address to listen on. Without api_keys only loopback addresses are allowed."""
+    port: int = 8000
+    """TCP port."""
+    served_model_name: str | None = None
+    """Name clients put in `model`; default: derived from the model file or preset."""
+    api_keys: dict[str, Tenant] = field(default_factory=dict)
+    """Bearer key -> tenant. Empty means open mode (loopback only)."""
+    strict_tiers: bool = False
+    """Refuse (403) a tier the key may not use, instead of serving the nearest allowed one."""
+    queue_limits: dict[str, int] = field(default_factory=lambda: {
+        "priority": 32, "default": 256, "flex": 256, "batch": 1024})
+    """Most requests per tier accepted but not yet producing tokens; beyond: 429."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; beyond: 413."""
+    max_n: int = 8
+    """Largest `n` (choices per request)."""
+
+    def validate(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        if not self.api_keys and not _is_loopback(self.host):
+            raise ConfigError(f"refusing to serve {self.host} without api_keys: open mode "
+                              "is for loopback addresses only")
+        for key, tenant in self.api_keys.items():
+            bad = [t for t in tenant.tiers if t not in TIERS]
+            if bad or not tenant.tiers:
+                raise ConfigError(f"tenant {tenant.name!r}: tiers must be a non-empty subset "
+                                  f"of {', '.join(TIERS)}, got {tenant.tiers}")
+        for tier, limit in self.queue_limits.items():
+            if tier not in TIERS or limit < 0:
+                raise ConfigError(f"queue_limits: bad entry {tier}: {limit}")
+
+    @staticmethod
+    def parse_api_keys(raw: dict) -> dict[str, Tenant]:
+        keys = {}
+        for key, spec in (raw or {}).items():
+            if isinstance(spec, str):
+                spec = {"tenant": spec}
+            if not isinstance(spec, dict) or "tenant" not in spec:
+                raise ConfigError(f"api_keys: entry for a key needs a tenant name, got {spec!r}")
+            keys[str(key)] = Tenant(str(spec["tenant"]),
+                                    list(spec.get("tiers", ["priority", "default", "flex"])))
+        return keys
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_tier(requested: str | None, tenant: Tenant) -> str | None:
+    """The tier a request runs in: the requested one if allowed, else the nearest allowed
+    tier below it (cheaper), else the nearest above. None if the tenant has no tier.
+    `auto` (and no value) asks for `default`."""
+    want = "default" if requested in (None, "auto") else requested
+    if want in tenant.tiers:
+        return want
+    rank = TIERS.index(want)
+    below = [t for t in TIERS[rank + 1:] if t in tenant.tiers]
+    above = [t for t in reversed(TIERS[:rank]) if t in tenant.tiers]
+    return (below or above or [None])[0]
