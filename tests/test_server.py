@@ -1,0 +1,294 @@
+"""The HTTP server on the real default model, through real HTTP on 127.0.0.1, with the
+official `openai` client where a client is involved."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import get_engine
+from tierserve.engine.async_engine import AsyncEngine
+from tierserve.server.app import create_app
+from tierserve.server.settings import ServerSettings, Tenant, resolve_tier
+
+openai = pytest.importorskip("openai")
+MODEL = "smol"
+
+
+class LiveServer:
+    def __init__(self, settings: ServerSettings, **engine_kwargs):
+        import uvicorn
+        self.engine = get_engine(**engine_kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        settings.port = self.port
+        self.app = create_app(AsyncEngine(self.engine), settings, MODEL)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="none"):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def wait_idle(self, timeout=30):
+        deadline = time.time() + timeout
+        while self.engine.has_unfinished_requests():
+            assert time.time() < deadline, "requests still running"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(ServerSettings(max_body_bytes=64 * 1024, max_n=4))
+    yield srv
+    srv.stop()
+
+
+def assert_blocks_free(engine):
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    bm.check_invariants()
+
+
+def test_chat_completion_with_openai_client(server):
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=30, temperature=0)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.service_tier == "default"
+    u = r.usage
+    assert u.prompt_tokens > 10 and u.completion_tokens > 2
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0
+    timing = r.model_extra["usage"]["timing"] if "usage" in r.model_extra else u.timing
+    assert timing["decode_s"] > 0 and timing["queue_s"] >= 0
+
+
+def test_streaming_chat_with_usage_chunk(server):
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 5."}],
+        max_completion_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason in ("stop", "length")
+    whole = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 5."}],
+        max_completion_tokens=20, temperature=0)
+    assert text == whole.choices[0].message.content
+
+
+def test_completions_sync_stream_stop_and_seed(server):
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                             temperature=0)
+    text = r.choices[0].text
+    assert r.object == "text_completion" and len(text) > 0
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+        stream=True) if ch.choices)
+    assert streamed == text
+    word = text.split()[0] if text.split() else text[:2]
+    cut = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                               temperature=0, stop=[word])
+    assert word not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    a, b = (c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12,
+                                 temperature=1.0, seed=11) for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+
+
+def test_n_choices_and_extras(server):
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say a word."}], n=2,
+        max_tokens=6, temperature=1.0, seed=3,
+        extra_body={"top_k": 20, "min_tokens": 6, "ignore_eos": True, "priority": 1})
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 12
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", server.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = 0
+            for line in resp.iter_lines():
+                lines += bool(line.strip())
+                if lines >= 3:
+                    break
+    server.wait_idle(timeout=10)
+    assert_blocks_free(server.engine)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tierserve_request_finished_total{finish_reason="abort"' in text
+
+
+BAD = [
+    ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model", None),
+    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", None),
+    ({"model": MODEL, "messages": []}, 400, "messages", None),
+    ({"model": MODEL, "messages": "hello"}, 400, "messages", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+     400, "temperature", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 7},
+     400, "temperature", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     400, "max_tokens", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6},
+     400, "max_tokens", "context_length_exceeded"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 99}, 400, "n", None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "service_tier": "turbo"},
+     400, "service_tier", None),
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None, None),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400,
+     "top_p", None),
+]
+
+
+@pytest.mark.parametrize("payload,status,param,code", BAD)
+def test_bad_inputs_get_openai_errors_and_server_keeps_serving(server, payload, status, param,
+                                                               code):
+    r = httpx.post(server.url + "/v1/chat/completions", json=payload, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] and err["param"].startswith(param)
+    if code:
+        assert err["code"] == code
+    ok = httpx.post(server.url + "/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_transport_level_errors(server):
+    bad_json = httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"]
+    big = httpx.post(server.url + "/v1/completions",
+                     json={"model": MODEL, "prompt": "x" * 100_000})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    long_prompt = httpx.post(server.url + "/v1/completions", json={
+        "model": MODEL, "prompt": list(range(100, 9000)), "max_tokens": 1})
+    assert long_prompt.status_code == 400
+    assert long_prompt.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL
+
+
+def test_metrics_parse_and_move(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def generated():
+        text = httpx.get(server.url + "/metrics").text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        assert "tierserve_time_to_first_token_seconds" in fams
+        assert "tierserve_kv_cache_usage_ratio" in fams
+        return sum(s.value for s in fams["tierserve_generation_tokens"].samples
+                   if s.name.endswith("_total"))
+    before = generated()
+    server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=5,
+                                       extra_body={"ignore_eos": True})
+    server.wait_idle()
+    assert generated() == before + 5
+
+
+def test_overload_gets_429_with_retry_after_and_accepted_requests_finish():
+    srv = LiveServer(ServerSettings(queue_limits={"default": 1}), max_num_seqs=2)
+    try:
+        body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 24,
+                "ignore_eos": True}
+
+        def post(_):
+            return httpx.post(srv.url + "/v1/completions", json=body, timeout=120)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(post, range(8)))
+        codes = sorted(r.status_code for r in results)
+        assert 429 in codes and 200 in codes, codes
+        for r in results:
+            if r.status_code == 429:
+                assert int(r.headers["retry-after"]) >= 1
+                assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 24
+        srv.wait_idle()
+        assert_blocks_free(srv.engine)
+        adm = srv.app.state.tierserve.admission
+        assert sum(adm.queued.values()) == 0 and sum(adm.running.values()) == 0
+    finally:
+        srv.stop()
+
+
+def test_api_keys_tenants_and_strict_tiers():
+    keys = {"sk-a": Tenant("team-a", ["priority", "default", "flex"]),
+            "sk-f": Tenant("flexers", ["flex"])}
+    srv = LiveServer(ServerSettings(api_keys=keys, strict_tiers=True))
+    try:
+        msg = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.AuthenticationError):
+            srv.client("sk-wrong").chat.completions.create(model=MODEL, messages=msg,
+                                                           max_tokens=2)
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": msg})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        ok = srv.client("sk-a").chat.completions.create(model=MODEL, messages=msg, max_tokens=2)
+        assert ok.choices[0].message.content is not None
+        with pytest.raises(openai.PermissionDeniedError):
+            srv.client("sk-f").chat.completions.create(model=MODEL, messages=msg,
+                                                       max_tokens=2, service_tier="priority")
+    finally:
+        srv.stop()
+
+
+def test_tier_resolution_prefers_the_nearest_cheaper_allowed_tier():
+    t = Tenant("t", ["default", "flex"])
+    assert resolve_tier("priority", t) == "default"
+    assert resolve_tier("auto", t) == "default" and resolve_tier(None, t) == "default"
+    assert resolve_tier("flex", Tenant("p", ["priority"])) == "priority"
+    assert resolve_tier("default", Tenant("f", ["flex"])) == "flex"
+
+
+def test_open_mode_refuses_a_public_address():
+    from tierserve.errors import ConfigError
+    with pytest.raises(ConfigError, match="loopback"):
+        ServerSettings(host="0.0.0.0").validate()
+    ServerSettings(host="0.0.0.0", api_keys={"k": Tenant("t")}).validate()
+
+
+def test_yaml_config_keys_mirror_flags(tmp_path):
+    from tierserve.cli import build_parser
+    from tierserve.server.serve import build
+    cfg = tmp_path / "tierserve.yaml"
+    cfg.write_text(json.dumps({"max_num_seqs": 7, "port": 9001, "dtype": "float32",
+                               "api_keys": {"sk-1": {"tenant": "one", "tiers": ["flex"]}},
+                               "queue_limits": {"flex": 3}}))
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--config", str(cfg), "--port", "9002"])
+    settings, config, name = build(args, parser)
+    assert config.scheduler.max_num_seqs == 7 and config.model.dtype == "float32"
+    assert settings.port == 9002                           # the flag given wins
+    assert settings.api_keys["sk-1"].name == "one" and settings.queue_limits["flex"] == 3
+    assert name == "SmolLM2-135M-Instruct"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_num_seqz: 3\n")
+    from tierserve.errors import ConfigError
+    with pytest.raises(ConfigError, match="max_num_seqz"):
+        build(parser.parse_args(["serve", "--config", str(bad)]), parser)
