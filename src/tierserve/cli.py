@@ -106,6 +106,13 @@ def cmd_serve(args) -> int:
     return serve(args, build_parser())
 
 
+def cmd_bench_serve(args) -> int:
+    from tierserve.bench.serve import run
+
+    run(args)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierserve",
@@ -142,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_args(thr)
     add_engine_args(thr)
     thr.set_defaults(func=cmd_bench_throughput)
+    bsrv = bench_sub.add_parser("serve", help="streaming HTTP load against tierserve serve, "
+                                              "beside the offline engine")
+    from tierserve.bench.serve import add_args as add_serve_args
+    add_serve_args(bsrv)
+    add_engine_args(bsrv)
+    bsrv.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -1,7 +1,10 @@
 """AsyncEngine: the step loop as an asyncio task, with a stream of deltas per request.
 
-NOTE: threading. `LLMEngine.step()` runs in a worker thread so the event loop stays free
-for I/O; nothing else touches the engine while a step is in flight. Requests added or
+NOTE: threading. `LLMEngine.step()` runs on the event loop's thread, or, given an
+executor, on that executor's thread so the loop stays free for I/O while a step runs.
+Give it the single thread that built the engine: oneDNN's packed weights run about 1.5x
+slower on a thread other than the one that packed them (measured, docs/benchmarks.md).
+Nothing else touches the engine while a step is in flight. Requests added or
 aborted during a step are queued and applied the moment it returns; when no step is in
 flight they are applied at once. So `abort()` frees the request's KV blocks at once, or
 right after the step that is running.
@@ -16,11 +19,15 @@ from tierserve.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, executor=None):
+        """`executor`: where steps run. None runs them on the event loop's thread."""
         self.engine = engine
+        self.executor = executor
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
         self._stepping = False
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self.errored: BaseException | None = None
@@ -66,7 +73,7 @@ class AsyncEngine:
                           request_id: str | None = None) -> str:
         self.start()
         while self._stepping:  # the engine is not thread-safe: wait for the running step
-            await asyncio.sleep(0.0005)
+            await self._idle.wait()
         request_id = self.engine.add_request(request_id, prompt, params)
         self._streams[request_id] = asyncio.Queue()
         self._wake.set()
@@ -91,14 +98,19 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
             self._stepping = True
+            self._idle.clear()
             try:
-                outputs = await loop.run_in_executor(None, self.engine.step)
+                if self.executor is None:
+                    outputs = self.engine.step()
+                else:
+                    outputs = await loop.run_in_executor(self.executor, self.engine.step)
             except Exception as exc:  # a failed step fails every request in flight
                 self.errored = exc
                 self._fail_all(exc)
                 outputs = []
             finally:
                 self._stepping = False
+                self._idle.set()
             for out in outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:

@@ -5,6 +5,7 @@ so orchestrators can tell "starting" from "dead".
 """
 
 import asyncio
+import concurrent.futures
 import os
 import sys
 
@@ -94,17 +95,21 @@ def serve(args, parser) -> int:
     def say(line: str) -> None:
         print(f"tierserve: {line}", file=sys.stderr, flush=True)
 
+    # One thread builds the engine and runs every step (see AsyncEngine's note).
+    engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+
     async def load() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         say(f"listening on {url} (loading {name}; /health says 503 until ready)")
         try:
-            engine = await asyncio.to_thread(LLMEngine, config, None, None, say)
+            engine = await asyncio.get_running_loop().run_in_executor(
+                engine_thread, LLMEngine, config, None, None, say)
         except Exception as exc:  # report and stop the server
             failure.append(exc)
             server.should_exit = True
             return
-        state.attach(AsyncEngine(engine))
+        state.attach(AsyncEngine(engine, executor=engine_thread))
         say(f"ready: serving {name} at {url}/v1")
 
     async def main() -> None:
