@@ -1,8 +1,8 @@
 """AsyncEngine: the step loop as an asyncio task, with a stream of deltas per request.
 
-NOTE: threading. `LLMEngine.step()` runs on the event loop's thread, or, given an
-executor, on that executor's thread so the loop stays free for I/O while a step runs.
-Give it the single thread that built the engine: oneDNN's packed weights run about 1.5x
+NOTE: threading. `LLMEngine.step()` runs on an executor's thread so the event loop stays
+free for I/O (and sees disconnects) while a step runs. Give it the single thread that
+built the engine: oneDNN's packed weights run about 1.5x
 slower on a thread other than the one that packed them (measured, docs/benchmarks.md).
 Nothing else touches the engine while a step is in flight. Requests added or
 aborted during a step are queued and applied the moment it returns; when no step is in
@@ -12,6 +12,7 @@ right after the step that is running.
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
@@ -19,10 +20,10 @@ from tierserve.sampling_params import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, executor=None):
-        """`executor`: where steps run. None runs them on the event loop's thread."""
+    def __init__(self, engine: LLMEngine, executor: Executor | None = None):
+        """`executor`: where steps run; by default a thread of its own."""
         self.engine = engine
-        self.executor = executor
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
         self._stepping = False
@@ -100,10 +101,7 @@ class AsyncEngine:
             self._stepping = True
             self._idle.clear()
             try:
-                if self.executor is None:
-                    outputs = self.engine.step()
-                else:
-                    outputs = await loop.run_in_executor(self.executor, self.engine.step)
+                outputs = await loop.run_in_executor(self.executor, self.engine.step)
             except Exception as exc:  # a failed step fails every request in flight
                 self.errored = exc
                 self._fail_all(exc)
