@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+            max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0,
             tie_word_embeddings=False)
 
 

@@ -194,14 +194,19 @@ def _hf_shape(folder: str) -> ModelShape:
         raise UnsupportedModelError(f"architecture {archs or '(none)'} is not supported; "
                                     f"tierserve runs {', '.join(HF_ARCHITECTURES)}")
     heads = cfg["num_attention_heads"]
+    # transformers 5 writes rope settings as `rope_parameters`; older configs use
+    # `rope_theta` plus an optional `rope_scaling`.
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (
+        rope if rope.get("rope_type", "default") != "default" else None)
     return ModelShape(
         name=os.path.basename(os.path.normpath(folder)),
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
         intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling=cfg.get("rope_scaling"),
+        rope_theta=float(theta), rope_scaling=scaling,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
