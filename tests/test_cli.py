@@ -36,10 +36,14 @@ def test_help_lists_the_commands_the_readme_documents():
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     parser = build_parser()
     help_text = parser.format_help()
-    for command in ("generate", "bench"):
+    for command in ("serve", "generate", "bench"):
         assert command in help_text and f"tierserve {command}" in readme
     gen_help = subprocess.run([sys.executable, "-m", "tierserve.cli", "generate", "--help"],
                               capture_output=True, text=True).stdout
     for flag in ("--chat", "--model", "--dtype", "--load-format", "--max-tokens", "--stop",
                  "--max-num-seqs", "--max-num-batched-tokens"):
         assert flag in gen_help and flag in readme, flag
+    serve_help = subprocess.run([sys.executable, "-m", "tierserve.cli", "serve", "--help"],
+                                capture_output=True, text=True).stdout
+    for flag in ("--host", "--port", "--config", "--served-model-name"):
+        assert flag in serve_help and flag in readme, flag

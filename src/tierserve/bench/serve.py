@@ -127,7 +127,8 @@ def run(args) -> None:
             prompts = make_prompts(n, args.prompt_len, vocab, args.bench_seed + c)
             tok_s, ttfts, itls = asyncio.run(run_level(url, model, prompts, args.output_len, c))
             http_at[c] = tok_s
-            print(f"serve dtype={args.dtype} concurrency={c} requests={n} "
+            target = f"url={args.url}" if args.url else f"dtype={args.dtype}"
+            print(f"serve {target} concurrency={c} requests={n} "
                   f"prompt={args.prompt_len} output={args.output_len} | http {tok_s:.1f} tok/s, "
                   f"ttft p50 {1000 * pct(ttfts, 50):.0f} ms p99 {1000 * pct(ttfts, 99):.0f} ms, "
                   f"itl p50 {1000 * pct(itls, 50):.1f} ms p99 {1000 * pct(itls, 99):.1f} ms",
