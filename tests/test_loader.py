@@ -223,3 +223,29 @@ def test_dummy_presets():
                                     dtype="float32"), 64)
     logits = logits_of(loaded, TOKENS)
     assert logits.shape == (len(TOKENS), 49152) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads, dim):
+    from tierserve.model import cpu_attention
+    kernel = cpu_attention.load()
+    if kernel is None:
+        pytest.skip("no C++ toolchain: the torch path is used instead")
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, bs, batch = 64, 16, 5
+    k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, 17, 40, 100, 3])
+    width = 7
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
+                          for _ in range(batch)])
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    out = cpu_attention.paged_decode(kernel, q, k_cache, v_cache, tables, lens)
+    keys, values = k_cache[tables].flatten(1, 2), v_cache[tables].flatten(1, 2)
+    mask = (torch.arange(width * bs)[None] < lens[:, None])[:, None, None, :]
+    g = heads // kv_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, kv_heads, g, dim).float(), keys.transpose(1, 2).float(),
+        values.transpose(1, 2).float(), attn_mask=mask).reshape(batch, heads, dim)
+    assert (out.float() - ref).abs().max().item() < tol

@@ -7,13 +7,14 @@ Bound: max |logit difference| < 1e-3 over all vocabulary entries (logits here sp
 about -31..+38; measured 7.5e-5 on the prefill; differences come from summation order).
 """
 
+import contextlib
 import os
 
 import pytest
 import torch
 
-from tierserve.core.scheduler import ScheduledSeq, SchedulerOutput
-from tierserve.model.llama import AttentionMetadata  # noqa: F401  (documented input type)
+from tierserve.core.request import Request
+from tierserve.core.scheduler import ScheduledSeq
 
 BOUND = 1e-3
 
@@ -26,6 +27,19 @@ def hf_model(default_model_path):
     transformers.logging.set_verbosity_error()
     return transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def reserved_blocks(engine, num_tokens):
+    """Blocks taken from the engine's pool for a hand-driven forward pass, then returned,
+    so no cached prefix block of another test is overwritten."""
+    holder = Request(request_id="parity-blocks", prompt_token_ids=[0] * num_tokens,
+                     max_tokens=1)
+    assert engine.block_manager.allocate_slots(holder, num_tokens)
+    try:
+        yield list(holder.block_table)
+    finally:
+        engine.block_manager.free(holder)
 
 
 def our_logits(runner, request_id, tokens, start, block_table):
@@ -44,8 +58,11 @@ def test_prefill_and_decode_logits_match_transformers(hf_model):
     tok = engine.tokenizer
     prompt = tok.apply_chat_template([{"role": "user",
                                        "content": "Name three colours of the rainbow."}])
-    bs = engine.block_manager.block_size
-    table = list(range(100, 100 + (len(prompt) + 8) // bs + 1))   # blocks no one else uses
+    with reserved_blocks(engine, len(prompt) + 8) as table:
+        check_prefill_and_decodes(engine, hf_model, prompt, table)
+
+
+def check_prefill_and_decodes(engine, hf_model, prompt, table):
     ours = our_logits(engine.runner, "parity", prompt, 0, table)
     with torch.inference_mode():
         ref = hf_model(torch.tensor([prompt])).logits[0]
@@ -64,9 +81,9 @@ def test_chunked_prefill_logits_match_transformers(hf_model):
     from conftest import get_engine
     engine = get_engine()
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    table = list(range(200, 200 + len(prompt) // 16 + 2))
     with torch.inference_mode():
         ref = hf_model(torch.tensor([prompt])).logits[0]
-    first = our_logits(engine.runner, "chunks", prompt[:13], 0, table)
-    rest = our_logits(engine.runner, "chunks", prompt[13:], 13, table)
+    with reserved_blocks(engine, len(prompt)) as table:
+        first = our_logits(engine.runner, "chunks", prompt[:13], 0, table)
+        rest = our_logits(engine.runner, "chunks", prompt[13:], 13, table)
     assert (torch.cat([first, rest]) - ref).abs().max().item() < BOUND

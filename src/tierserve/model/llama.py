@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tierserve.model.cpu_attention import paged_decode
 from tierserve.model.shapes import ModelShape
 
 
@@ -46,7 +47,11 @@ class AttentionMetadata:
     """[D, max_blocks] long, padded with block 0."""
     decode_mask: Tensor | None
     """[D, 1, 1, max_blocks * block_size] bool."""
+    decode_context_lens: Tensor | None
+    """[D] long: tokens each decode attends to (its position + 1)."""
     prefills: list[PrefillChunk]
+    decode_kernel: object = None
+    """The compiled paged decode kernel (model/cpu_attention.py), or None for torch ops."""
 
 
 class RotaryEmbedding(nn.Module):
@@ -141,6 +146,9 @@ class Attention(nn.Module):
 
     def _decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                 attn: AttentionMetadata) -> Tensor:
+        if attn.decode_kernel is not None:
+            return paged_decode(attn.decode_kernel, q, k_cache, v_cache,
+                                attn.decode_block_tables, attn.decode_context_lens)
         D, group = q.shape[0], self.num_heads // self.num_kv_heads
         keys = _gather_blocks(k_cache, attn.decode_block_tables)   # [D, L, Hkv, d]
         values = _gather_blocks(v_cache, attn.decode_block_tables)

@@ -8,10 +8,15 @@ sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
 import torch
 
 from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from tierserve.model import cpu_attention
 from tierserve.model.cpu_linear import can_pack, pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
 from tierserve.sampling_params import SamplingParams
 from tierserve.worker.sampler import SamplingState, sample
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 class ModelRunner:
@@ -19,10 +24,13 @@ class ModelRunner:
         if can_pack(model):
             pack_linears(model)
         self.model = model
+        shape = model.shape
+        use_kernel = model_device(model).type == "cpu" and cpu_attention.supports(
+            shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        self.decode_kernel = cpu_attention.load() if use_kernel else None
         self.block_size = block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        shape = model.shape
         cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         self.kv_caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
@@ -72,17 +80,21 @@ class ModelRunner:
             (decodes if n == 1 else prefills).append((seq, offset))
         attn = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decodes=len(decodes),
-            decode_block_tables=None, decode_mask=None,
+            decode_block_tables=None, decode_mask=None, decode_context_lens=None,
+            decode_kernel=self.decode_kernel,
             prefills=[self._prefill_chunk(seq, offset) for seq, offset in prefills])
         if decodes:
-            attn.decode_block_tables, attn.decode_mask = self._decode_tables(
-                [seq for seq, _ in decodes])
+            seqs_d = [seq for seq, _ in decodes]
+            attn.decode_block_tables, attn.decode_mask = self._decode_tables(seqs_d)
+            attn.decode_context_lens = self._tensor([s.start_pos + 1 for s in seqs_d])
         return (self._tensor(input_ids), self._tensor(positions), attn,
                 self._tensor(sample_rows))
 
     def _decode_tables(self, seqs: list[ScheduledSeq]):
         width = max(len(s.block_table) for s in seqs)
         tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+        if self.decode_kernel is not None:
+            return tables, None                       # the kernel needs no mask
         key_pos = torch.arange(width * self.block_size, device=self.device)
         query_pos = self._tensor([s.start_pos for s in seqs])
         mask = (key_pos.unsqueeze(0) <= query_pos.unsqueeze(1))          # [D, L]
