@@ -24,6 +24,10 @@ class AsyncEngine:
         """`executor`: where steps run; by default a thread of its own."""
         self.engine = engine
         self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.yields_between_steps = 4
+        """Event-loop turns between steps: enough for a token to travel from the engine to
+        the socket (queue -> merge -> SSE -> write) before the next step starts, so HTTP
+        work does not compete with the step for the two cores."""
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
         self._stepping = False
@@ -115,7 +119,8 @@ class AsyncEngine:
                     stream.put_nowait(out)
             while self._pending_aborts:
                 self._abort_now(self._pending_aborts.pop())
-            await asyncio.sleep(0)  # let handlers add requests between steps
+            for _ in range(self.yields_between_steps):  # let streams write before the next step
+                await asyncio.sleep(0)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
