@@ -56,6 +56,8 @@ class LLMEngine:
         self.max_model_len = min(mc.max_model_len or min(shape.max_position_embeddings,
                                                          MAX_DEFAULT_MODEL_LEN),
                                  num_blocks * cc.block_size)
+        if not config.scheduler.enable_chunked_prefill:  # a (re)computed prompt must fit a step
+            self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)
         say = progress or (lambda line: None)
         say(f"loading weights of {mc.model or 'the default model'} ({mc.dtype}, {mc.device})")
         self.loaded = load_model(mc, max_positions=self.max_model_len)
