@@ -53,8 +53,6 @@ class BlockManager:
         self._cached: dict[BlockKey, Block] = {}
         self._num_registered: dict[str, int] = {}
         """Per request: how many of its leading blocks have been offered to the cache."""
-        self.num_prefix_hit_tokens = 0
-        self.num_prefix_query_tokens = 0
 
     # ----------------------------------------------------------------- queries
     @property
@@ -85,8 +83,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block.block_id)
-        self.num_prefix_query_tokens += request.num_tokens
-        self.num_prefix_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     # ------------------------------------------------------------- mutations

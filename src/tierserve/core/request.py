@@ -77,21 +77,8 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
-
-    @property
-    def is_prefill(self) -> bool:
-        """True until the request has caught up with its prompt (or its recompute)."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_token_ids)

@@ -89,10 +89,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return self._num_waiting
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -30,8 +30,8 @@ class AsyncEngine:
         work does not compete with the step for the two cores."""
         self._streams: dict[str, asyncio.Queue] = {}
         self._pending_aborts: list[str] = []
-        self._stepping = False
         self._idle = asyncio.Event()
+        """Set while no step is in flight: only then may the engine be touched."""
         self._idle.set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -77,7 +77,7 @@ class AsyncEngine:
     async def add_request(self, prompt, params: SamplingParams,
                           request_id: str | None = None) -> str:
         self.start()
-        while self._stepping:  # the engine is not thread-safe: wait for the running step
+        while not self._idle.is_set():  # the engine is not thread-safe: wait out the step
             await self._idle.wait()
         request_id = self.engine.add_request(request_id, prompt, params)
         self._streams[request_id] = asyncio.Queue()
@@ -85,7 +85,7 @@ class AsyncEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        if self._stepping:
+        if not self._idle.is_set():
             self._pending_aborts.append(request_id)
         else:
             self._abort_now(request_id)
@@ -102,7 +102,6 @@ class AsyncEngine:
             if not self.engine.has_unfinished_requests():
                 self._wake.clear()
                 await self._wake.wait()
-            self._stepping = True
             self._idle.clear()
             try:
                 outputs = await loop.run_in_executor(self.executor, self.engine.step)
@@ -111,7 +110,6 @@ class AsyncEngine:
                 self._fail_all(exc)
                 outputs = []
             finally:
-                self._stepping = False
                 self._idle.set()
             for out in outputs:
                 stream = self._streams.get(out.request_id)

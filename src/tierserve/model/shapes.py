@@ -1,7 +1,7 @@
 """Model shapes: the numbers that size weights, KV cache and FLOPs. Plain Python (no torch),
 so the simulator can use them."""
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from tierserve.errors import ConfigError
 
@@ -88,6 +88,3 @@ def preset(name: str) -> ModelShape:
         raise ConfigError(f"unknown model shape preset {name!r}; "
                           f"known: {', '.join(sorted(PRESETS))}") from None
 
-
-def with_overrides(shape: ModelShape, **overrides) -> ModelShape:
-    return replace(shape, **overrides)

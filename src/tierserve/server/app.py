@@ -61,13 +61,13 @@ class ServerState:
         self.tier_of: dict[str, str] = {}
 
     def attach(self, engine: AsyncEngine) -> None:
-        engine.engine.stat_sinks += [self.metrics, self]
+        engine.engine.stat_sinks.append(self)
         self.admission = Admission(self.settings.queue_limits,
                                    engine.engine.config.scheduler.max_num_seqs)
         self.engine = engine
 
     def on_step(self, stats) -> None:
-        pass
+        self.metrics.on_step(stats)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.metrics.observe_request(self.tier_of.pop(stats.request_id, "default"), stats)

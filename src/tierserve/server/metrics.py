@@ -1,8 +1,8 @@
 """Prometheus metrics: base units, `tierserve_` prefix, `tier` and `model` labels only.
 
-Step-level figures come from the engine's StepStats (this class is a StatSink);
-request-level figures are observed by the server when a request finishes, because the
-server knows the tier a request was served in. Each app has its own registry.
+Step-level figures come from the engine's StepStats (`on_step`); request-level figures
+are observed with the tier a request was served in (`observe_request`), which only the
+server knows. Each app has its own registry.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -64,9 +64,6 @@ class Metrics:
         self.step_tokens.labels(m).observe(s.num_tokens)
         self.step_seqs.labels(m).observe(s.num_seqs)
         self.step_time.labels(m).observe(s.duration_s)
-
-    def on_request_finished(self, stats: RequestStats) -> None:
-        """Request figures are observed with their tier by `observe_request`."""
 
     # server side ---------------------------------------------------------
     def observe_request(self, tier: str, s: RequestStats) -> None:

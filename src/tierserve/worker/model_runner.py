@@ -15,22 +15,18 @@ from tierserve.sampling_params import SamplingParams
 from tierserve.worker.sampler import SamplingState, sample
 
 
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
         if can_pack(model):
             pack_linears(model)
         self.model = model
-        shape = model.shape
-        use_kernel = model_device(model).type == "cpu" and cpu_attention.supports(
-            shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        self.decode_kernel = cpu_attention.load() if use_kernel else None
         self.block_size = block_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        shape = model.shape
+        use_kernel = self.device.type == "cpu" and cpu_attention.supports(
+            shape.num_heads, shape.num_kv_heads, shape.head_dim)
+        self.decode_kernel = cpu_attention.load() if use_kernel else None
         cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         self.kv_caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
