@@ -4,25 +4,32 @@ import pytest
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
-from tierserve.core.request import Request
+from tierserve.core.request import Request, Tier
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
-                   chunked=True, prefix_caching=True, max_model_len=1024) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, prefix_caching)
+                   chunked=True, prefix_caching=True, max_model_len=1024, policy="fcfs",
+                   step_time_model=None, step_time_limit_s=None, **tier_options) -> Scheduler:
+    """`tier_options`: more SchedulerConfig fields (reserves, aging, flex wait limit)."""
+    bm = BlockManager(num_blocks, block_size, prefix_caching, evict_by_tier=policy == "tiered")
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
-                          enable_chunked_prefill=chunked)
-    return Scheduler(cfg, bm, max_model_len)
+                          enable_chunked_prefill=chunked, policy=policy, **tier_options)
+    cfg.validate()
+    return Scheduler(cfg, bm, max_model_len, step_time_model=step_time_model,
+                     step_time_limit_s=step_time_limit_s)
 
 
-def make_requests(n, prompt_len=10, max_tokens=5, start=0, arrival_step=1.0, prompts=None):
+def make_requests(n, prompt_len=10, max_tokens=5, start=0, arrival_step=1.0, prompts=None,
+                  tier=Tier.DEFAULT, arrival_time=None):
     out = []
     for i in range(n):
-        prompt = prompts[i] if prompts else [100 + 7 * i + j for j in range(prompt_len)]
+        prompt = prompts[i] if prompts else [100 + 7 * (start + i) + j for j in range(prompt_len)]
         out.append(Request(request_id=f"r{start + i}", prompt_token_ids=list(prompt),
-                           max_tokens=max_tokens, arrival_time=(start + i) * arrival_step))
+                           max_tokens=max_tokens, tier=tier,
+                           arrival_time=(start + i) * arrival_step if arrival_time is None
+                           else arrival_time))
     return out
 
 
@@ -41,7 +48,7 @@ def run_to_completion(scheduler: Scheduler, runner=None, max_steps=10_000, check
     runner = runner or FakeRunner()
     steps = []
     while scheduler.has_unfinished():
-        out = scheduler.schedule()
+        out = scheduler.schedule(now=float(len(steps)))
         steps.append(out)
         scheduler.update(out, runner.execute(out))
         if check:

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from tierserve.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+TIER_NAMES = ("priority", "default", "flex", "batch")
+POLICIES = ("fcfs", "priority", "tiered")
+DEPLOYMENTS = ("shared", "dedicated")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
@@ -61,6 +64,16 @@ class CacheConfig:
 
 
 @dataclass
+class SLO:
+    """Latency targets of one tier (None: no target)."""
+
+    ttft_s: float | None = None
+    """Time to first token, from arrival."""
+    tpot_s: float | None = None
+    """Time per output token after the first (mean over the request)."""
+
+
+@dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
     """Most requests in one step (sequence slots)."""
@@ -68,8 +81,25 @@ class SchedulerConfig:
     """Token budget of one step: decodes count 1 each, prefill chunks their length."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps; when off a prompt must fit one step's budget."""
-    policy: str = "fcfs"
-    """Ordering policy of the waiting and running queues."""
+    policy: str = "tiered"
+    """Who runs first and who is preempted first: `fcfs` (arrival order, tiers ignored),
+    `priority` (vLLM-style strict priority: tier, then `priority`, then arrival) or
+    `tiered` (strict priority plus the tier guarantees: priority preempts lower tiers for
+    slots and blocks, a step-time cap while priority decodes, reserves, default aging, a
+    flex wait limit)."""
+    priority_step_time_s: float | None = None
+    """tiered: while a priority request decodes, steps are cut to this predicted time. None:
+    the priority tier's TPOT SLO if set, else 3x a calibrated one-sequence decode step;
+    0 turns the cap off."""
+    reserved_priority_seqs: int = 0
+    """tiered: sequence slots only priority requests may take."""
+    reserved_priority_blocks: int = 0
+    """tiered: KV blocks only priority requests may take."""
+    default_aging_s: float = 30.0
+    """tiered: a default request waiting this long is ordered with priority ones (and no
+    longer preempted by them), so it never starves."""
+    flex_max_wait_s: float = 60.0
+    """tiered: a flex request not started after this long is refused (HTTP 429)."""
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -77,6 +107,45 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1, got "
                               f"{self.max_num_batched_tokens}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0 <= self.reserved_priority_seqs < self.max_num_seqs:
+            raise ConfigError("reserved_priority_seqs must be in [0, max_num_seqs), got "
+                              f"{self.reserved_priority_seqs}")
+        for name in ("reserved_priority_blocks", "default_aging_s", "flex_max_wait_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.priority_step_time_s is not None and self.priority_step_time_s < 0:
+            raise ConfigError(f"priority_step_time_s must be >= 0, got "
+                              f"{self.priority_step_time_s}")
+
+
+@dataclass
+class TierConfig:
+    slo: dict[str, SLO] = field(default_factory=dict)
+    """Per-tier latency targets, reported as SLO attainment (and the priority TPOT target
+    sets the step-time cap unless priority_step_time_s does)."""
+    step_time_profile: str | None = None
+    """JSON from `tierserve calibrate`; None: the tiered policy calibrates at startup."""
+    deployment: str = "shared"
+    """`shared`: one engine serves every tier. `dedicated`: priority requests get an engine
+    of their own with `dedicated_max_num_seqs` slots, beside one for the other tiers."""
+    dedicated_max_num_seqs: int = 1
+    """Slots of the priority engine in `dedicated` deployment."""
+
+    def validate(self) -> None:
+        bad = [t for t in self.slo if t not in TIER_NAMES]
+        if bad:
+            raise ConfigError(f"slo: unknown tier {bad[0]!r}; tiers are {', '.join(TIER_NAMES)}")
+        for tier, slo in self.slo.items():
+            for v in (slo.ttft_s, slo.tpot_s):
+                if v is not None and v <= 0:
+                    raise ConfigError(f"slo.{tier}: targets must be > 0 seconds, got {v}")
+        if self.deployment not in DEPLOYMENTS:
+            raise ConfigError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got "
+                              f"{self.deployment!r}")
+        if self.dedicated_max_num_seqs < 1:
+            raise ConfigError("dedicated_max_num_seqs must be >= 1")
 
 
 @dataclass
@@ -84,11 +153,13 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.tiers.validate()
         if (not self.scheduler.enable_chunked_prefill and self.model.max_model_len
                 and self.scheduler.max_num_batched_tokens < self.model.max_model_len):
             raise ConfigError("without chunked prefill, max_num_batched_tokens "

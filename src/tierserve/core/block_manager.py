@@ -4,10 +4,12 @@ NOTE: how blocks move
     A block is *in use* (ref_count > 0, held by one or more requests' block tables) or
     *free* (ref_count == 0). Free blocks wait in one of two queues:
       - `_free_plain`: blocks that hold no reusable prefix; handed out first.
-      - `_free_cached`: full blocks whose tokens are known by a chained hash; they keep
-        their KV so a later request with the same prefix reuses it. Handed out (evicted)
-        least-recently-freed first, only when no plain block is left.
-    Both queues are OrderedDicts used as linked lists: append, pop-front and remove-by-id
+      - `_free_cached[tier]`: full blocks whose tokens are known by a chained hash; they
+        keep their KV so a later request with the same prefix reuses it. Handed out
+        (evicted) only when no plain block is left: lowest tier first (a block's tier is
+        the best tier of the requests that used it), least-recently-freed first within a
+        tier. With `evict_by_tier` off every cached block sits in one LRU queue.
+    All queues are OrderedDicts used as linked lists: append, pop-front and remove-by-id
     are O(1), so allocating, freeing and reviving a cached block never scan the pool.
     A request frees its blocks tail first, so its last blocks (least likely shared) are
     evicted before its first ones (a shared system prompt).
@@ -18,15 +20,16 @@ NOTE: how blocks move
 
 Invariants (checked by `check_invariants`, exercised by property tests):
     1. A block is in exactly one free queue iff its ref_count is 0.
-    2. Blocks in `_free_plain` have no key; blocks in `_free_cached` have one.
+    2. Blocks in `_free_plain` have no key; blocks in a `_free_cached` queue have one, and
+       sit in the queue of their tier.
     3. `_cached[key] is block` iff `block.key == key` (a keyed block is findable).
-    4. num_free_blocks == len(_free_plain) + len(_free_cached).
+    4. num_free_blocks == len(_free_plain) + the lengths of the `_free_cached` queues.
 """
 
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tierserve.core.request import Request
+from tierserve.core.request import Request, Tier
 from tierserve.errors import ConfigError
 
 BlockKey = tuple[int, tuple[int, ...]]
@@ -37,19 +40,25 @@ class Block:
     block_id: int
     ref_count: int = 0
     key: BlockKey | None = None
+    tier: int = Tier.BATCH
+    """Best tier among the requests that have held the block since it was last handed out."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 evict_by_tier: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ConfigError(f"need num_blocks >= 1 and block_size >= 1, got "
                               f"{num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.evict_by_tier = evict_by_tier
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_plain: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._free_cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in Tier]
+        """Indexed by tier; evicted from the last (lowest tier) queue first."""
+        self._num_free_cached = 0
         self._cached: dict[BlockKey, Block] = {}
         self._num_registered: dict[str, int] = {}
         """Per request: how many of its leading blocks have been offered to the cache."""
@@ -57,7 +66,7 @@ class BlockManager:
     # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_plain) + len(self._free_cached)
+        return len(self._free_plain) + self._num_free_cached
 
     @property
     def usage(self) -> float:
@@ -87,25 +96,27 @@ class BlockManager:
 
     # ------------------------------------------------------------- mutations
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] = ()) -> bool:
+                       computed_blocks: list[int] = (), reserve: int = 0) -> bool:
         """Make `request.block_table` cover its computed tokens plus `num_new_tokens`.
 
-        `computed_blocks` are prefix-cache hits to prepend (first scheduling only). Returns
+        `computed_blocks` are prefix-cache hits to prepend (first scheduling only). `reserve`
+        free blocks must stay free afterwards (blocks held back for a better tier). Returns
         False, changing nothing, when the free pool cannot supply the blocks.
         """
         num_covered = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_covered + num_new_tokens)
-        num_new_blocks = num_required - len(request.block_table) - len(computed_blocks)
+        num_new_blocks = max(num_required - len(request.block_table) - len(computed_blocks), 0)
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_new_blocks > self.num_free_blocks - num_revived:
+        num_taken = num_new_blocks + num_revived
+        if num_taken and num_taken > self.num_free_blocks - reserve:
             return False
         for block_id in computed_blocks:
-            self._take(self.blocks[block_id])
+            self._take(self.blocks[block_id], request.tier)
             request.block_table.append(block_id)
         if computed_blocks:
             self._num_registered[request.request_id] = len(request.block_table)
-        for _ in range(max(num_new_blocks, 0)):
-            request.block_table.append(self._pop_free().block_id)
+        for _ in range(num_new_blocks):
+            request.block_table.append(self._pop_free(request.tier).block_id)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -131,30 +142,43 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                queue = self._free_plain if block.key is None else self._free_cached
-                queue[block_id] = None
+                self._queue_of(block)[block_id] = None
+                self._num_free_cached += block.key is not None
         request.block_table = []
         self._num_registered.pop(request.request_id, None)
 
     def reset_prefix_cache(self) -> None:
-        for block_id in list(self._free_cached):
-            self._uncache(self.blocks[block_id])
-            del self._free_cached[block_id]
-            self._free_plain[block_id] = None
+        for queue in self._free_cached:
+            for block_id in list(queue):
+                self._uncache(self.blocks[block_id])
+                self._free_plain[block_id] = None
+            queue.clear()
+        self._num_free_cached = 0
 
     # --------------------------------------------------------------- helpers
-    def _take(self, block: Block) -> None:
-        if block.ref_count == 0:
-            queue = self._free_plain if block.key is None else self._free_cached
-            del queue[block.block_id]
-        block.ref_count += 1
+    def _queue_of(self, block: Block) -> OrderedDict:
+        if block.key is None:
+            return self._free_plain
+        return self._free_cached[block.tier if self.evict_by_tier else 0]
 
-    def _pop_free(self) -> Block:
-        queue = self._free_plain if self._free_plain else self._free_cached
-        block_id, _ = queue.popitem(last=False)
+    def _take(self, block: Block, tier: int) -> None:
+        if block.ref_count == 0:
+            del self._queue_of(block)[block.block_id]
+            self._num_free_cached -= block.key is not None
+        block.ref_count += 1
+        block.tier = min(block.tier, tier)
+
+    def _pop_free(self, tier: int) -> Block:
+        if self._free_plain:
+            block_id, _ = self._free_plain.popitem(last=False)
+        else:
+            queue = next(q for q in reversed(self._free_cached) if q)
+            block_id, _ = queue.popitem(last=False)
+            self._num_free_cached -= 1
         block = self.blocks[block_id]
         self._uncache(block)
         block.ref_count = 1
+        block.tier = tier
         return block
 
     def _uncache(self, block: Block) -> None:
@@ -175,14 +199,17 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         assert self.num_free_blocks == sum(1 for b in self.blocks if b.ref_count == 0)
+        assert self._num_free_cached == sum(len(q) for q in self._free_cached)
         for block in self.blocks:
             assert block.ref_count >= 0
             in_plain = block.block_id in self._free_plain
-            in_cached = block.block_id in self._free_cached
-            assert (in_plain or in_cached) == (block.ref_count == 0), block
-            assert not (in_plain and in_cached), block
+            in_cached = [i for i, q in enumerate(self._free_cached) if block.block_id in q]
+            assert (in_plain or bool(in_cached)) == (block.ref_count == 0), block
+            assert not (in_plain and in_cached) and len(in_cached) <= 1, block
             assert not in_plain or block.key is None, block
             assert not in_cached or block.key is not None, block
+            if in_cached:
+                assert in_cached[0] == (block.tier if self.evict_by_tier else 0), block
             if block.key is not None:
                 assert self._cached[block.key] is block
         for key, block in self._cached.items():

@@ -4,6 +4,29 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 
+class Tier(IntEnum):
+    """Service tiers, best first: a smaller value is served earlier and preempted later."""
+
+    PRIORITY = 0
+    DEFAULT = 1
+    FLEX = 2
+    BATCH = 3
+
+    @classmethod
+    def parse(cls, name: "str | Tier") -> "Tier":
+        if isinstance(name, Tier):
+            return name
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown tier {name!r}; expected one of "
+                             f"{', '.join(t.label for t in cls)}") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
 class RequestStatus(IntEnum):
     """Ordered so that `status >= FINISHED_STOPPED` means finished."""
 
@@ -13,6 +36,8 @@ class RequestStatus(IntEnum):
     FINISHED_STOPPED = 10
     FINISHED_LENGTH = 11
     FINISHED_ABORTED = 12
+    FINISHED_REFUSED = 13
+    """Never started: a flex request that waited past its tier's limit."""
 
     @property
     def is_finished(self) -> bool:
@@ -27,6 +52,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_REFUSED: "refused",
 }
 
 
@@ -42,8 +68,12 @@ class Request:
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
     ignore_eos: bool = False
+    tier: Tier = Tier.DEFAULT
     priority: int = 0
     """Lower runs first within a tier (vLLM's convention); FCFS ignores it."""
+    rank: int = -1
+    """Tier rank the policy orders by: the tier's (the default), or PRIORITY's once a
+    default request has aged."""
     arrival_seq: int = 0
     """Tie-break among equal arrival times; set by the scheduler on admission."""
 
@@ -63,6 +93,10 @@ class Request:
     num_ever_computed: int = 0
     """High-water mark of num_computed_tokens, to count recomputation."""
     stop_reason: int | str | None = None
+
+    def __post_init__(self):
+        if self.rank < 0:
+            self.rank = int(self.tier)
 
     @property
     def num_prompt_tokens(self) -> int:

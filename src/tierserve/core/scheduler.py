@@ -6,24 +6,41 @@ NOTE: the algorithm (schedule tokens, not phases)
     `max_num_seqs` requests so that each request's computed count catches up with its
     tokens: a whole prompt, a chunk of it, a recompute after preemption, or the single
     newest token (decode) are all the same thing.
-      1. Running requests first, in policy order. Each asks for all its missing tokens
-         (capped by the remaining budget). If the KV pool cannot hold them, the running
-         request the policy ranks last is preempted (blocks freed, progress reset, back to
-         the waiting queue under its original key) until the allocation fits, or the
-         request itself was the victim.
-      2. Then waiting requests, in policy order, while budget and slots remain and nothing
-         was preempted this step. A waiting request first reuses its longest cached prefix.
+      0. (tiered) Housekeeping by the clock: flex requests not started within
+         `flex_max_wait_s` are refused; default requests waiting `default_aging_s` are
+         promoted to priority's rank.
+      1. Running requests first, in policy order. Each asks for all its missing tokens,
+         capped by the remaining budget and (tiered, while a priority request decodes) by
+         the step-time cap. If the KV pool cannot hold them, a running request of the same
+         or a worse rank is preempted (blocks freed, progress reset, back to the waiting
+         queue under its original key) until the allocation fits, or the request itself
+         was the victim.
+      2. Then waiting requests, in policy order, while budget and slots remain. After a
+         preemption only priority-rank requests are admitted (anything else would take
+         the room back). A waiting request first reuses its longest cached prefix.
+         (tiered) A waiting priority request may preempt lower tiers for a slot and for
+         blocks; other tiers must leave the reserved slots and blocks free.
     Preemption is by recompute: cheaper than swapping on a CPU and always possible; the
-    recomputed tokens are counted as wasted work.
+    recomputed tokens are counted, per tier, as wasted work.
+
+NOTE: the step-time cap (tiered)
+    While any priority request is decoding, the predicted time of the step (StepTimeModel)
+    must stay within `step_time_limit_s`, so priority's time per output token holds however
+    much other work is queued. Priority sequences are never cut. Other sequences are added
+    in order while they fit; a prefill chunk is shortened to fit after setting aside the
+    time of every decode not yet placed, so lower tiers' prefill is cut first and their
+    decodes last.
 """
 
 import heapq
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
-from tierserve.core.policy import FCFSPolicy, SchedulingPolicy
-from tierserve.core.request import Request, RequestStatus
+from tierserve.core.policy import SchedulingPolicy, make_policy
+from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.step_time import EPS_S, StepTimeModel
 
 
 @dataclass
@@ -45,6 +62,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    refused_ids: list[str] = field(default_factory=list)
+    """Requests the scheduler ended without running them (flex past its wait limit)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -69,20 +88,44 @@ class RunnerOutput:
     """Next token of every sequence whose ScheduledSeq had sample=True."""
 
 
+@dataclass
+class _Step:
+    """What one `schedule()` call has handed out so far."""
+
+    budget: int
+    time_limit_s: float | None
+    """Predicted-time cap of this step, or None."""
+    time_s: float = 0.0
+    pending_decode_s: float = 0.0
+    """Predicted time of running decodes not yet placed (set aside under the cap)."""
+    scheduled: dict = field(default_factory=dict)
+    """Request -> (num_new_tokens, predicted seconds), in scheduling order."""
+    preempted: list = field(default_factory=list)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 max_model_len: int, policy: SchedulingPolicy | None = None):
+                 max_model_len: int, policy: SchedulingPolicy | None = None,
+                 step_time_model: StepTimeModel | None = None,
+                 step_time_limit_s: float | None = None):
+        """`step_time_model` and `step_time_limit_s` enable the tiered step-time cap."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.policy = policy or FCFSPolicy()
+        self.policy = policy or make_policy(config.policy)
+        self.step_time_model = step_time_model
+        self.step_time_limit_s = step_time_limit_s
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple, Request]] = []  # heap by policy key
+        self._waiting: list[tuple[tuple, int, Request]] = []  # heap by policy key
         self._num_waiting = 0
         self._arrivals = 0
+        self._flex_queue: deque[Request] = deque()  # arrival order, for the wait limit
+        self._default_queue: deque[Request] = deque()  # arrival order, for aging
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.recomputed_tokens_by_tier: Counter[str] = Counter()
+        self.preemptions_by_tier: Counter[str] = Counter()
 
     # ----------------------------------------------------------- queue state
     @property
@@ -97,9 +140,13 @@ class Scheduler:
         self._arrivals += 1
         self.requests[request.request_id] = request
         self._push_waiting(request)
+        if self.policy.tiered and request.tier == Tier.FLEX:
+            self._flex_queue.append(request)
+        if self.policy.tiered and request.tier == Tier.DEFAULT:
+            self._default_queue.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request now (abort, stop string). Frees its blocks at once."""
+        """End a request now (abort, stop string, refusal). Frees its blocks at once."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -112,47 +159,46 @@ class Scheduler:
         return request
 
     # -------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
-        budget = self._schedule_running(budget, scheduled, preempted)
-        if not preempted:
-            self._schedule_waiting(budget, scheduled)
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        """Plan the next step; `now` (the engine's clock) drives aging and the flex limit."""
+        refused = self._refuse_overdue_flex(now) if self.policy.tiered else []
+        if self.policy.tiered:
+            self._age_default(now)
+        step = _Step(self.config.max_num_batched_tokens, self._time_limit_s())
+        if step.time_limit_s is not None:
+            step.time_s = self.step_time_model.fixed_s
+            step.pending_decode_s = sum(self._decode_cost_s(r) for r in self.running
+                                        if self._is_decoding(r))
+        self._schedule_running(step)
+        self._schedule_waiting(step)
         return SchedulerOutput(
-            seqs=[self._describe(req, n) for req, n in scheduled],
-            preempted_ids=[r.request_id for r in preempted])
+            seqs=[self._describe(req, n) for req, (n, _) in step.scheduled.items()],
+            preempted_ids=[r.request_id for r in step.preempted],
+            refused_ids=[r.request_id for r in refused])
 
-    def _schedule_running(self, budget: int, scheduled: list, preempted: list) -> int:
-        self.running.sort(key=self.policy.key)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(request, num_new):
-                victim = self.running.pop()  # ranked last by the policy
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled.append((request, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break
-        return budget
+    def _schedule_running(self, step: _Step) -> None:
+        for request in sorted(self.running, key=self.policy.key):
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._fit(request, request.num_tokens - request.num_computed_tokens, step)
+            if num_new and self._allocate(request, num_new, step):
+                self._add(request, num_new, step)
 
-    def _schedule_waiting(self, budget: int, scheduled: list) -> None:
+    def _schedule_waiting(self, step: _Step) -> None:
         bm = self.block_manager
-        while self._num_waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self._num_waiting and step.budget > 0:
             request = self._peek_waiting()
+            top = self.policy.tiered and request.rank == Tier.PRIORITY
+            if step.preempted and not top:
+                break
+            if not self._take_slot(request, step):
+                break
             hit_blocks, num_hit = bm.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
-            num_new = min(num_new, budget)
-            if not bm.allocate_slots(request, num_new, hit_blocks):
+            num_new = self._fit(request, num_new, step, start=num_hit)
+            if not num_new or not self._allocate(request, num_new, step, hit_blocks):
                 break
             self._pop_waiting()
             request.num_computed_tokens = num_hit
@@ -160,16 +206,136 @@ class Scheduler:
                 request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
-            budget -= num_new
+            self._add(request, num_new, step)
 
-    def _preempt(self, request: Request) -> None:
+    # ------------------------------------------------- budget, cap, blocks
+    def _time_limit_s(self) -> float | None:
+        if not (self.policy.tiered and self.step_time_model and self.step_time_limit_s):
+            return None
+        if any(r.tier == Tier.PRIORITY and self._is_decoding(r) for r in self.running):
+            return self.step_time_limit_s
+        return None
+
+    def _fit(self, request: Request, want: int, step: _Step, start: int | None = None) -> int:
+        """How many of `want` tokens, computed from position `start` (default: what is
+        computed), the request gets this step: the budget, then the cap."""
+        num_new = min(want, step.budget)
+        if step.time_limit_s is None or num_new <= 0:
+            return max(num_new, 0)
+        model = self.step_time_model
+        start = request.num_computed_tokens if start is None else start
+        if self._is_decoding(request):
+            step.pending_decode_s -= self._decode_cost_s(request)
+        if request.tier == Tier.PRIORITY:
+            return num_new
+        room = step.time_limit_s - step.time_s
+        if not self._is_decoding(request):
+            room -= step.pending_decode_s  # cut prefill before anyone's decode
+        if model.seq_cost_s(num_new, start + num_new) <= room + EPS_S:
+            return num_new
+        if self._is_decoding(request) or not self.config.enable_chunked_prefill:
+            return 0
+        return model.max_tokens_within(room, start, num_new)
+
+    def _add(self, request: Request, num_new: int, step: _Step) -> None:
+        cost = 0.0
+        if step.time_limit_s is not None:
+            cost = self.step_time_model.seq_cost_s(
+                num_new, request.num_computed_tokens + num_new)
+        step.scheduled[request] = (num_new, cost)
+        step.budget -= num_new
+        step.time_s += cost
+
+    def _take_slot(self, request: Request, step: _Step) -> bool:
+        """A sequence slot for a waiting request, preempting for it if the policy allows."""
+        limit = self.config.max_num_seqs
+        if self.policy.tiered and request.tier != Tier.PRIORITY:
+            limit -= self.config.reserved_priority_seqs
+        while len(self.running) >= limit:
+            victim = self._choose_victim(request, waiting=True)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        return True
+
+    def _allocate(self, request: Request, num_new: int, step: _Step,
+                  hit_blocks: list[int] = ()) -> bool:
+        """Blocks for `num_new` more tokens, preempting while the policy allows.
+        False if they cannot be had (and the request itself may have been preempted)."""
+        waiting = request.status != RequestStatus.RUNNING
+        reserve = 0
+        if self.policy.tiered and request.tier != Tier.PRIORITY:
+            reserve = self.config.reserved_priority_blocks
+        while not self.block_manager.allocate_slots(request, num_new, hit_blocks, reserve):
+            victim = self._choose_victim(request, waiting)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _choose_victim(self, request: Request, waiting: bool) -> Request | None:
+        """Running requests `request` may preempt: a worse rank, or (for a running request)
+        the same rank, itself included. A waiting one preempts only under `tiered`."""
+        rank = self.policy.rank(request)
+        if waiting:
+            if not (self.policy.tiered and rank == Tier.PRIORITY):
+                return None
+            candidates = [r for r in self.running if self.policy.rank(r) > rank]
+        else:
+            candidates = [r for r in self.running if self.policy.rank(r) >= rank]
+        return max(candidates, key=self.policy.victim_key, default=None)
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        if request in step.scheduled:  # placed earlier in this step: give its share back
+            num_new, cost = step.scheduled.pop(request)
+            step.budget += num_new
+            step.time_s -= cost
+        self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.preemptions_by_tier[request.tier.label] += 1
         self._push_waiting(request)
+        step.preempted.append(request)
+
+    def _is_decoding(self, request: Request) -> bool:
+        return request.num_output_tokens > 0 \
+            and request.num_tokens - request.num_computed_tokens == 1
+
+    def _decode_cost_s(self, request: Request) -> float:
+        return self.step_time_model.seq_cost_s(1, request.num_tokens)
+
+    # ------------------------------------------------ tiers by the clock
+    def _refuse_overdue_flex(self, now: float) -> list[Request]:
+        refused, queue = [], self._flex_queue
+        while queue:
+            request = queue[0]
+            if request.is_finished or request.num_cached_tokens >= 0:
+                queue.popleft()  # finished or started: no longer subject to the limit
+            elif now - request.arrival_time > self.config.flex_max_wait_s:
+                queue.popleft()
+                self.finish_request(request.request_id, RequestStatus.FINISHED_REFUSED)
+                refused.append(request)
+            else:
+                break
+        return refused
+
+    def _age_default(self, now: float) -> None:
+        queue = self._default_queue
+        while queue:
+            request = queue[0]
+            if request.is_finished or request.num_cached_tokens >= 0:
+                queue.popleft()
+            elif now - request.arrival_time >= self.config.default_aging_s:
+                queue.popleft()
+                request.rank = int(Tier.PRIORITY)
+                self._push_waiting(request, again=True)  # the old heap entry goes stale
+            else:
+                break
 
     def _describe(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
@@ -196,6 +362,8 @@ class Scheduler:
             recomputed = max(0, min(seq.start_pos + n, request.num_ever_computed) - seq.start_pos)
             request.num_recomputed_tokens += recomputed
             self.num_recomputed_tokens += recomputed
+            if recomputed:
+                self.recomputed_tokens_by_tier[request.tier.label] += recomputed
             request.num_computed_tokens += n
             request.num_ever_computed = max(request.num_ever_computed, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
@@ -222,14 +390,21 @@ class Scheduler:
         return None
 
     # --------------------------------------------------------- waiting heap
-    def _push_waiting(self, request: Request) -> None:
+    def _push_waiting(self, request: Request, again: bool = False) -> None:
+        """Queue under the policy's key; `again`: re-key a request already counted."""
         heapq.heappush(self._waiting, (self.policy.key(request), request.arrival_seq, request))
-        self._num_waiting += 1
+        self._num_waiting += not again
 
     def _peek_waiting(self) -> Request:
-        while self._waiting[0][-1].is_finished:
+        while not self._is_current(self._waiting[0]):
             heapq.heappop(self._waiting)
         return self._waiting[0][-1]
+
+    def _is_current(self, entry: tuple) -> bool:
+        """Lazy deletion: entries of finished, running or re-keyed requests are stale."""
+        key, _, request = entry
+        return request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) \
+            and key == self.policy.key(request)
 
     def _pop_waiting(self) -> Request:
         request = self._peek_waiting()

@@ -1,0 +1,111 @@
+"""A step-time model: how long one engine step takes, predicted from its shape.
+
+NOTE: the model
+    t(step) = fixed + per_seq * seqs + per_token * tokens + per_pair * pairs
+
+    - fixed: what every step pays whatever it holds (weights streamed once, launch and
+      Python overhead);
+    - per_seq: sampling, block tables, one attention call per sequence;
+    - per_token: the linear layers' work per token computed;
+    - pairs: query-key pairs attended, sum over sequences of new tokens x context length
+      (a decode attends its whole context once; a prefill chunk of n tokens at offset s
+      attends about n x (s + n)).
+
+    The coefficients are fitted by least squares to measured steps (`fit`), which is what a
+    calibration run does on the engine at hand (`tierserve calibrate`). No torch here: the
+    scheduler uses the model to cap a step's budget, and the simulator predicts with it.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tierserve.errors import ConfigError
+
+FEATURES = ("fixed_s", "per_seq_s", "per_token_s", "per_pair_s")
+EPS_S = 1e-12
+"""Slack when comparing predicted sums of seconds (float rounding)."""
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    fixed_s: float
+    per_seq_s: float
+    per_token_s: float
+    per_pair_s: float = 0.0
+
+    def seq_cost_s(self, num_tokens: int, context_len: int) -> float:
+        """Time a sequence adds to a step: `num_tokens` new, `context_len` after them."""
+        if num_tokens <= 0:
+            return 0.0
+        return self.per_seq_s + self.per_token_s * num_tokens \
+            + self.per_pair_s * num_tokens * context_len
+
+    def predict_s(self, seqs: list[tuple[int, int]]) -> float:
+        """Predicted time of a step of (num_tokens, context_len) sequences."""
+        return self.fixed_s + sum(self.seq_cost_s(n, c) for n, c in seqs)
+
+    def max_tokens_within(self, room_s: float, start_pos: int, limit: int) -> int:
+        """Most tokens (<= limit) of one sequence at `start_pos` whose cost fits `room_s`."""
+        lo, hi = 0, limit
+        while lo < hi:  # cost grows with n: binary search
+            mid = (lo + hi + 1) // 2
+            if self.seq_cost_s(mid, start_pos + mid) <= room_s + EPS_S:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # ------------------------------------------------------------ fit, files
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, int, float]]) -> "StepTimeModel":
+        """Least squares over (num_seqs, num_tokens, num_pairs, seconds) samples, with
+        every coefficient kept >= 0 (a negative one is dropped and the rest refitted)."""
+        if len(samples) < len(FEATURES):
+            raise ConfigError(f"need at least {len(FEATURES)} measured steps to fit a "
+                              f"step-time model, got {len(samples)}")
+        rows = [(1.0, float(s), float(t), float(p)) for s, t, p, _ in samples]
+        ys = [float(d) for *_, d in samples]
+        active = list(range(len(FEATURES)))
+        while True:
+            coef = _least_squares([[r[j] for j in active] for r in rows], ys)
+            negative = [j for j, c in zip(active, coef) if c < 0]
+            if not negative or len(active) == 1:
+                break
+            active.remove(negative[0])
+        values = [0.0] * len(FEATURES)
+        for j, c in zip(active, coef):
+            values[j] = max(c, 0.0)
+        return cls(*values)
+
+    def save(self, path: str | Path, **meta) -> None:
+        Path(path).write_text(json.dumps({"step_time_model": asdict(self), **meta}, indent=2)
+                              + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepTimeModel":
+        try:
+            data = json.loads(Path(path).read_text())["step_time_model"]
+            return cls(**{k: float(data[k]) for k in FEATURES})
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """Solve the normal equations (X'X) b = X'y by Gaussian elimination with pivoting.
+    Columns are scaled first so per-token seconds and per-step seconds are comparable."""
+    k = len(rows[0])
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
+    xs = [[r[j] / scale[j] for j in range(k)] for r in rows]
+    a = [[sum(x[i] * x[j] for x in xs) for j in range(k)] + [sum(x[i] * y for x, y in zip(xs, ys))]
+         for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda i: abs(a[i][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if abs(a[col][col]) < 1e-12:
+            a[col][col] = 1e-12  # a feature that never varies: its coefficient goes to ~0
+        for i in range(k):
+            if i != col:
+                f = a[i][col] / a[col][col]
+                a[i] = [u - f * v for u, v in zip(a[i], a[col])]
+    return [a[i][k] / a[i][i] / scale[i] for i in range(k)]

@@ -1,0 +1,263 @@
+"""Service tiers in the scheduler, with a fake runner (no torch): preemption for slots and
+blocks, the step-time cap, reserves, aging, the flex wait limit, victims, wasted work."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import (FakeRunner, check_scheduler_invariants, make_requests, make_scheduler,
+                      run_to_completion)
+from tierserve.core.block_manager import BlockManager
+from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.step_time import StepTimeModel
+
+P, D, F, B = Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX, Tier.BATCH
+
+
+def step(s, now=0.0):
+    out = s.schedule(now)
+    s.update(out, FakeRunner().execute(out))
+    return out
+
+
+def ids(out):
+    return [x.request_id for x in out.seqs]
+
+
+def test_priority_arrival_preempts_a_lower_tier_when_max_num_seqs_is_full():
+    s = make_scheduler(policy="tiered", max_num_seqs=2, max_num_batched_tokens=100)
+    for r in make_requests(2, max_tokens=50, tier=D):
+        s.add_request(r)
+    step(s)
+    (p,) = make_requests(1, start=9, tier=P, arrival_time=5.0)
+    s.add_request(p)
+    out = step(s)
+    assert "r9" in ids(out) and out.preempted_ids == ["r1"]  # the later default arrival
+    assert s.requests["r1"].status == RequestStatus.PREEMPTED
+
+
+def test_strict_priority_cannot_preempt_for_a_slot():
+    """vLLM's gap: with every slot taken, a waiting priority request waits."""
+    s = make_scheduler(policy="priority", max_num_seqs=2, max_num_batched_tokens=100)
+    for r in make_requests(2, max_tokens=50, tier=D):
+        s.add_request(r)
+    step(s)
+    s.add_request(make_requests(1, start=9, tier=P, arrival_time=5.0)[0])
+    out = step(s)
+    assert "r9" not in ids(out) and not out.preempted_ids
+
+
+def test_priority_preempts_lower_tiers_for_kv_blocks():
+    # 12 blocks of 4 tokens: two 20-token default requests hold 10 of them.
+    s = make_scheduler(policy="tiered", num_blocks=12, max_num_batched_tokens=100)
+    for r in make_requests(2, prompt_len=20, max_tokens=30, tier=D):
+        s.add_request(r)
+    step(s)
+    s.add_request(make_requests(1, start=9, prompt_len=12, tier=P, arrival_time=5.0)[0])
+    out = step(s)
+    assert "r9" in ids(out) and out.preempted_ids
+    assert all(s.requests[i].tier == D for i in out.preempted_ids)
+
+
+def test_victim_is_lowest_tier_then_fewest_computed_tokens():
+    s = make_scheduler(policy="tiered", max_num_seqs=4, max_num_batched_tokens=200)
+    d_long, d_short = make_requests(2, prompt_len=40, max_tokens=50, tier=D)
+    d_short.prompt_token_ids = d_short.prompt_token_ids[:8]
+    (f,) = make_requests(1, start=2, prompt_len=40, max_tokens=50, tier=F)
+    for r in (d_long, d_short, f):
+        s.add_request(r)
+    step(s)
+    victim = s._choose_victim(make_requests(1, start=5, tier=P)[0], waiting=True)
+    assert victim is f  # flex goes first, although it computed more than d_short
+    s.finish_request(f.request_id, RequestStatus.FINISHED_ABORTED)
+    victim = s._choose_victim(make_requests(1, start=5, tier=P)[0], waiting=True)
+    assert victim is d_short  # same tier: least progress lost
+    assert d_short.num_computed_tokens < d_long.num_computed_tokens
+
+
+def test_step_time_cap_applies_while_priority_decodes_and_lifts_after():
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=256,
+                       step_time_model=model, step_time_limit_s=0.040)
+    (p,) = make_requests(1, prompt_len=8, max_tokens=4, tier=P)
+    s.add_request(p)
+    step(s)  # the priority prefill; from now on it decodes
+    (d,) = make_requests(1, start=1, prompt_len=200, max_tokens=2, tier=D)
+    s.add_request(d)
+    capped = []
+    while p.status == RequestStatus.RUNNING:
+        out = step(s)
+        chunk = {x.request_id: len(x.token_ids) for x in out.seqs}
+        assert chunk["r0"] == 1
+        predicted = model.predict_s([(len(x.token_ids), x.start_pos + len(x.token_ids))
+                                     for x in out.seqs])
+        assert predicted <= 0.040 + 1e-12
+        capped.append(chunk.get("r1", 0))
+    # fixed 10 ms + priority decode 2 ms leaves 28 ms: a chunk of 27 tokens
+    assert capped and all(0 < c <= 27 for c in capped)
+    out = step(s)
+    assert len(out.seqs[0].token_ids) > 27  # the cap lifted when priority finished
+
+
+def test_cap_cuts_lower_tier_prefill_before_decodes():
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=256,
+                       step_time_model=model, step_time_limit_s=0.030)
+    reqs = make_requests(5, prompt_len=4, max_tokens=20, tier=D)
+    reqs[0].tier = P
+    for r in reqs:
+        s.add_request(r)
+    step(s)  # everyone prefilled; all now decode
+    s.add_request(make_requests(1, start=7, prompt_len=100, max_tokens=2, tier=D)[0])
+    out = step(s)
+    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    # 10 fixed + 5 decodes x 2 ms = 20 ms; the prefill gets what is left: (10 - 1) tokens
+    assert [got[r.request_id] for r in reqs] == [1] * 5 and got["r7"] == 9
+
+
+def test_flex_is_refused_after_its_wait_limit_and_started_flex_is_not():
+    s = make_scheduler(policy="tiered", max_num_seqs=1, flex_max_wait_s=10.0)
+    (d,) = make_requests(1, max_tokens=1000, tier=D)
+    f1, f2 = make_requests(2, start=1, tier=F, arrival_time=1.0)
+    for r in (d, f1, f2):
+        s.add_request(r)
+    out = s.schedule(now=5.0)
+    assert not out.refused_ids
+    s.update(out, FakeRunner().execute(out))
+    out = s.schedule(now=11.5)
+    assert out.refused_ids == ["r1", "r2"]
+    assert f1.status == RequestStatus.FINISHED_REFUSED and f1.status.finish_reason == "refused"
+    assert s.num_waiting == 0 and "r1" not in s.requests
+
+
+def test_default_never_starves_under_a_stream_of_priority_arrivals():
+    def starved_steps(aging_s):
+        s = make_scheduler(policy="tiered", max_num_seqs=2, max_num_batched_tokens=64,
+                           default_aging_s=aging_s)
+        (d,) = make_requests(1, max_tokens=3, tier=D, arrival_time=0.0)
+        s.add_request(d)
+        n = 0
+        for t in range(60):  # two new priority requests every step keep both slots busy
+            for r in make_requests(2, start=100 + 2 * t, max_tokens=3, tier=P,
+                                   arrival_time=float(t)):
+                s.add_request(r)
+            step(s, now=float(t))
+            if d.num_computed_tokens == 0:
+                n += 1
+        return n, d
+    n, d = starved_steps(aging_s=5.0)
+    assert n <= 7 and d.is_finished
+    n, d = starved_steps(aging_s=1e9)  # without aging, it would wait forever
+    assert n == 60
+
+
+def test_preempted_requests_keep_their_order():
+    s = make_scheduler(policy="tiered", max_num_seqs=3, max_num_batched_tokens=100)
+    defaults = make_requests(3, max_tokens=40, tier=D)
+    for r in defaults:
+        s.add_request(r)
+    step(s)
+    for r in make_requests(3, start=10, max_tokens=2, tier=P, arrival_time=10.0):
+        s.add_request(r)
+    out = step(s, now=10.0)
+    assert sorted(out.preempted_ids) == ["r0", "r1", "r2"]
+    order = []
+    for t in range(40):
+        out = step(s, now=11.0 + t)
+        order += [x.request_id for x in out.seqs if x.request_id not in order]
+    assert [x for x in order if x in ("r0", "r1", "r2")] == ["r0", "r1", "r2"]
+
+
+def test_reserved_slots_and_blocks_are_left_to_priority():
+    s = make_scheduler(policy="tiered", max_num_seqs=4, num_blocks=20,
+                       max_num_batched_tokens=200, reserved_priority_seqs=1,
+                       reserved_priority_blocks=6)
+    for r in make_requests(5, prompt_len=8, max_tokens=30, tier=B):
+        s.add_request(r)
+    step(s)
+    assert len(s.running) == 3  # one slot held back
+    for _ in range(20):
+        step(s)
+        assert s.block_manager.num_free_blocks >= 6 or any(r.tier == P for r in s.running)
+    s.add_request(make_requests(1, start=9, prompt_len=20, tier=P, arrival_time=9.0)[0])
+    out = step(s)
+    assert "r9" in ids(out)
+    assert all(s.requests[i].tier == B for i in out.preempted_ids)
+
+
+def test_wasted_tokens_are_counted_per_tier():
+    s = make_scheduler(policy="tiered", max_num_seqs=2, max_num_batched_tokens=100,
+                       prefix_caching=False)  # with it, the prompt's blocks would be reused
+    for r in make_requests(2, prompt_len=12, max_tokens=20, tier=F):
+        s.add_request(r)
+    step(s)
+    step(s)
+    s.add_request(make_requests(1, start=5, tier=P, arrival_time=3.0)[0])
+    run_to_completion(s)
+    assert s.preemptions_by_tier == {"flex": 1}
+    assert s.recomputed_tokens_by_tier["flex"] == 13  # 12 prompt + 1 output token again
+    assert s.recomputed_tokens_by_tier["priority"] == 0
+
+
+def test_higher_tier_cached_blocks_are_evicted_last():
+    bm = BlockManager(num_blocks=4, block_size=2, evict_by_tier=True)
+    p = Request("p", [1, 2, 3, 4, 5], max_tokens=1, tier=P)
+    f = Request("f", [9, 8, 7, 6, 5], max_tokens=1, tier=F)
+    for r in (p, f):  # each computes its 2 full blocks, then leaves them cached
+        assert bm.allocate_slots(r, 4)
+        r.num_computed_tokens = 4
+        bm.cache_full_blocks(r)
+    bm.free(p)  # priority's blocks were freed first: plain LRU would evict them first
+    bm.free(f)
+    assert bm.allocate_slots(Request("x", [0] * 4, max_tokens=1, tier=D), 4)
+    assert bm.get_computed_blocks(Request("p2", [1, 2, 3, 4, 0], 1))[1] == 4
+    assert bm.get_computed_blocks(Request("f2", [9, 8, 7, 6, 0], 1))[1] == 0
+    bm.check_invariants()
+
+
+def test_step_time_model_fit_recovers_its_coefficients():
+    true = StepTimeModel(fixed_s=0.012, per_seq_s=0.0004, per_token_s=0.00011,
+                         per_pair_s=2e-8)
+    samples = []
+    for seqs in ([(1, 100)] * 4, [(1, 300)] * 16, [(64, 64)], [(256, 512)], [(1, 50)],
+                 [(1, 900)] * 64, [(30, 200), (1, 400)], [(128, 128)] * 2):
+        pairs = sum(n * c for n, c in seqs)
+        samples.append((len(seqs), sum(n for n, _ in seqs), pairs, true.predict_s(seqs)))
+    fit = StepTimeModel.fit(samples)
+    for a, b in zip((fit.fixed_s, fit.per_seq_s, fit.per_token_s, fit.per_pair_s),
+                    (true.fixed_s, true.per_seq_s, true.per_token_s, true.per_pair_s)):
+        assert abs(a - b) <= 1e-6 * max(b, 1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_no_block_leaks_and_invariants_under_any_tier_interleaving(data):
+    model = StepTimeModel(fixed_s=0.01, per_seq_s=0.001, per_token_s=0.0005)
+    s = make_scheduler(
+        policy=data.draw(st.sampled_from(["tiered", "priority", "fcfs"])),
+        num_blocks=data.draw(st.integers(12, 40)), block_size=4,
+        max_num_seqs=data.draw(st.integers(2, 6)),
+        max_num_batched_tokens=data.draw(st.integers(8, 64)),
+        reserved_priority_seqs=data.draw(st.integers(0, 1)),
+        reserved_priority_blocks=data.draw(st.integers(0, 4)),
+        default_aging_s=data.draw(st.sampled_from([2.0, 1e9])),
+        flex_max_wait_s=data.draw(st.sampled_from([3.0, 1e9])),
+        step_time_model=model, step_time_limit_s=data.draw(st.sampled_from([None, 0.02])),
+        max_model_len=48)
+    n = 0
+    for t in range(data.draw(st.integers(5, 40))):
+        for _ in range(data.draw(st.integers(0, 2))):
+            length = data.draw(st.integers(1, 30))
+            shared = data.draw(st.booleans())
+            prompt = ([7] * 8 if shared else []) + [1000 + 13 * n + j for j in range(length)]
+            s.add_request(Request(f"q{n}", prompt[:40], data.draw(st.integers(1, 8)),
+                                  arrival_time=float(t), tier=data.draw(st.sampled_from(Tier))))
+            n += 1
+        if s.requests and data.draw(st.integers(0, 5)) == 0:
+            s.finish_request(data.draw(st.sampled_from(sorted(s.requests))),
+                             RequestStatus.FINISHED_ABORTED)
+        out = s.schedule(now=float(t))
+        s.update(out, FakeRunner().execute(out))
+        check_scheduler_invariants(s, out)
+    run_to_completion(s, max_steps=5000)
+    bm = s.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and s.num_waiting == 0 and not s.running
