@@ -240,3 +240,53 @@ def test_async_engine_streams_and_aborts():
     assert t0 == o0.outputs[0].text and o0.outputs[0].finish_reason == "length"
     assert t1 == o1.outputs[0].text and n == 3
     assert_all_blocks_free(engine)
+
+
+def test_priority_outputs_are_identical_under_background_load(alone):
+    """Preemption, the step-time cap and tier order change timing, never text."""
+    prompts, expected = alone
+    engine = get_engine(max_num_seqs=4, num_kv_blocks=40, priority_step_time_s=0.001)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
+    quiet = generate(engine, prompts[:1], seeded)[0].outputs[0].token_ids
+    background = [engine.add_request(None, p, SamplingParams(max_tokens=40, ignore_eos=True),
+                                     tier=tier)
+                  for p, tier in zip(prompts[4:12], ["batch", "flex", "default"] * 3)]
+    for _ in range(3):
+        engine.step()  # the background is running when priority arrives
+    ids = [engine.add_request(None, p, GREEDY, tier="priority") for p in prompts[:3]]
+    ids.append(engine.add_request(None, prompts[0], seeded, tier="priority"))
+    done = {}
+    preempted = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    preempted = engine.scheduler.preemptions_by_tier
+    assert [done[i].outputs[0].token_ids for i in ids[:3]] == expected[:3]
+    assert done[ids[3]].outputs[0].token_ids == quiet
+    assert all(done[i].metrics.tier == "priority" for i in ids)
+    assert all(done[i].outputs[0].finish_reason == "length" for i in background)
+    assert preempted["priority"] == 0 and sum(preempted.values()) > 0
+    assert engine.scheduler.recomputed_tokens_by_tier["priority"] == 0
+    assert_all_blocks_free(engine)
+
+
+def test_overdue_flex_request_is_refused_and_others_are_not():
+    engine = get_engine()
+    late = engine.add_request(None, [5, 6, 7], GREEDY, tier="flex",
+                              arrival_time=engine.clock.now() - 1000)
+    fresh = engine.add_request(None, [5, 6, 7], GREEDY, tier="flex")
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs[late].finished and outs[late].outputs[0].finish_reason == "refused"
+    assert outs[late].outputs[0].token_ids == []
+    assert fresh in outs and not outs[fresh].finished
+    engine.abort_request(fresh)
+    assert_all_blocks_free(engine)
+
+
+def test_unknown_tier_is_a_clear_error():
+    from tierserve.errors import InvalidRequestError
+    engine = get_engine()
+    with pytest.raises(InvalidRequestError, match="unknown tier 'gold'"):
+        engine.add_request(None, [5, 6, 7], GREEDY, tier="gold")
+    assert not engine.has_unfinished_requests()

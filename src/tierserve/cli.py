@@ -35,6 +35,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
                    action="store_false", help="a prompt must fit one step's token budget")
+    t = p.add_argument_group("tiers")
+    t.add_argument("--policy", default="tiered", choices=["tiered", "priority", "fcfs"],
+                   help="tiered (default): tier order plus the tier guarantees; priority: "
+                        "vLLM-style strict priority; fcfs: arrival order, tiers ignored")
+    t.add_argument("--priority-step-time-s", type=float, default=None,
+                   help="while a priority request decodes, cap each step's predicted time "
+                        "to this (default: the priority TPOT SLO, else 3x a lone decode "
+                        "step; 0: no cap)")
+    t.add_argument("--step-time-profile", default=None,
+                   help="step-time model from `tierserve calibrate` (default: calibrate at "
+                        "startup, about 5 s)")
+    t.add_argument("--reserved-priority-seqs", type=int, default=0,
+                   help="sequence slots only priority requests may take")
+    t.add_argument("--reserved-priority-blocks", type=int, default=0,
+                   help="KV blocks only priority requests may take")
+    t.add_argument("--default-aging-s", type=float, default=30.0,
+                   help="a default request waiting this long is ordered with priority ones")
+    t.add_argument("--flex-max-wait-s", type=float, default=60.0,
+                   help="a flex request not started after this long is refused (429)")
 
 
 def engine_config_from_args(args):
@@ -47,7 +66,12 @@ def engine_config_from_args(args):
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill)
+        enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
+        priority_step_time_s=args.priority_step_time_s,
+        step_time_profile=args.step_time_profile,
+        reserved_priority_seqs=args.reserved_priority_seqs,
+        reserved_priority_blocks=args.reserved_priority_blocks,
+        default_aging_s=args.default_aging_s, flex_max_wait_s=args.flex_max_wait_s)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +96,8 @@ def cmd_generate(args) -> int:
                             max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             stop=args.stop, seed=args.request_seed, ignore_eos=args.ignore_eos)
     print(f"loading {args.model or 'SmolLM2-135M-Instruct (default)'} ...", file=sys.stderr)
+    if args.priority_step_time_s is None:
+        args.priority_step_time_s = 0  # one request: no step-time cap, no calibration
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if args.chat:
@@ -90,6 +116,22 @@ def cmd_generate(args) -> int:
         m = final.metrics
         print(f"[{m.num_output_tokens} tokens, finish_reason={final.outputs[0].finish_reason}, "
               f"ttft={m.ttft_s * 1000:.0f} ms, total={m.e2e_s:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from tierserve.engine.calibrate import calibrate
+    from tierserve.engine.llm_engine import LLMEngine
+
+    args.priority_step_time_s = 0  # the engine must not calibrate itself first
+    engine = LLMEngine(engine_config_from_args(args),
+                       progress=lambda line: print(line, file=sys.stderr))
+    model = calibrate(engine, repeats=args.repeats)
+    model.save(args.out, model=args.model or "SmolLM2-135M-Instruct", dtype=args.dtype,
+               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
+    print(f"fixed {model.fixed_s * 1e3:.2f} ms/step, {model.per_seq_s * 1e3:.3f} ms/seq, "
+          f"{model.per_token_s * 1e3:.4f} ms/token, {model.per_pair_s * 1e9:.3f} ns/pair; "
+          f"a lone decode step {model.predict_s([(1, 256)]) * 1e3:.1f} ms; wrote {args.out}")
     return 0
 
 
@@ -140,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="name clients send as `model` (default: from the model file)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    cal = sub.add_parser("calibrate", help="measure this engine's step times and save the "
+                                           "fitted step-time model (JSON)")
+    cal.add_argument("--out", default="step_time.json", help="file to write "
+                                                             "(default step_time.json)")
+    cal.add_argument("--repeats", type=int, default=2, help="runs of the calibration grid")
+    add_engine_args(cal)
+    cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)

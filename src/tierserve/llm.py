@@ -1,6 +1,6 @@
 """Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams)`."""
 
-from tierserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tierserve.config import SLO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TierConfig
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
@@ -8,13 +8,14 @@ from tierserve.sampling_params import SamplingParams
 _MODEL_KEYS = set(ModelConfig.__dataclass_fields__)
 _CACHE_KEYS = set(CacheConfig.__dataclass_fields__)
 _SCHED_KEYS = set(SchedulerConfig.__dataclass_fields__)
+_TIER_KEYS = set(TierConfig.__dataclass_fields__)
 
 
 def engine_config(**kwargs) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (vLLM's style)."""
     from tierserve.errors import ConfigError
 
-    parts = {"model": {}, "cache": {}, "scheduler": {}}
+    parts = {"model": {}, "cache": {}, "scheduler": {}, "tiers": {}}
     for key, value in kwargs.items():
         if key in _MODEL_KEYS:
             parts["model"][key] = value
@@ -22,10 +23,30 @@ def engine_config(**kwargs) -> EngineConfig:
             parts["cache"][key] = value
         elif key in _SCHED_KEYS:
             parts["scheduler"][key] = value
+        elif key in _TIER_KEYS:
+            parts["tiers"][key] = value
         else:
             raise ConfigError(f"unknown engine option {key!r}")
+    if "slo" in parts["tiers"]:
+        parts["tiers"]["slo"] = parse_slo(parts["tiers"]["slo"])
     return EngineConfig(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
-                        SchedulerConfig(**parts["scheduler"]))
+                        SchedulerConfig(**parts["scheduler"]), TierConfig(**parts["tiers"]))
+
+
+def parse_slo(raw) -> dict[str, SLO]:
+    """{tier: {ttft_s, tpot_s}} (as in YAML) or {tier: SLO} -> {tier: SLO}."""
+    from tierserve.errors import ConfigError
+
+    out = {}
+    for tier, spec in (raw or {}).items():
+        if isinstance(spec, SLO):
+            out[tier] = spec
+            continue
+        if not isinstance(spec, dict) or set(spec) - {"ttft_s", "tpot_s"}:
+            raise ConfigError(f"slo.{tier}: expected {{ttft_s: seconds, tpot_s: seconds}}, "
+                              f"got {spec!r}")
+        out[tier] = SLO(**{k: float(v) for k, v in spec.items()})
+    return out
 
 
 class LLM:

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from tierserve.config import EngineConfig
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.clock import Clock
-from tierserve.core.request import Request, RequestStatus
+from tierserve.core.policy import make_policy
+from tierserve.core.request import Request, RequestStatus, Tier
 from tierserve.core.scheduler import Scheduler, SchedulerOutput
+from tierserve.core.step_time import StepTimeModel
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.outputs import CompletionOutput, RequestOutput
 from tierserve.engine.stats import RequestStats, SeqStepStats, StatSink, StepStats
@@ -66,21 +68,51 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_source) \
             if self.loaded.tokenizer_source else None
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
-        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len)
+        policy = make_policy(config.scheduler.policy)
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                          evict_by_tier=policy.tiered)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len,
+                                   policy)
         self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed)
         say(f"KV cache: {num_blocks} blocks of {cc.block_size} tokens; "
             f"max_model_len {self.max_model_len}")
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._step_index = 0
+        if policy.tiered and config.scheduler.priority_step_time_s != 0:
+            self._set_step_time_cap(say)
+
+    def _set_step_time_cap(self, say) -> None:
+        """The tiered policy's cap: a step-time model (from a profile, or calibrated now)
+        and the limit (explicit, else the priority TPOT SLO, else 3x a lone decode step)."""
+        from tierserve.engine.calibrate import calibrate
+
+        profile = self.config.tiers.step_time_profile
+        if profile:
+            model = StepTimeModel.load(profile)
+        else:
+            say("calibrating the step-time model (tierserve calibrate saves one to reuse)")
+            model = calibrate(self)
+        slo = self.config.tiers.slo.get("priority")
+        limit = (self.config.scheduler.priority_step_time_s or (slo and slo.tpot_s)
+                 or 3 * model.predict_s([(1, 256)]))
+        self.scheduler.step_time_model = model
+        self.scheduler.step_time_limit_s = limit
+        say(f"priority step-time cap {limit * 1e3:.1f} ms (a lone decode step: "
+            f"{model.predict_s([(1, 256)]) * 1e3:.1f} ms)")
 
     # ------------------------------------------------------------- requests
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request (text, or token ids). Raises InvalidRequestError, queuing nothing."""
+                    arrival_time: float | None = None, tier: str = "default",
+                    priority: int = 0) -> str:
+        """Queue a request (text, or token ids) in a service tier; `priority` orders
+        requests within a tier, lower first. Raises InvalidRequestError, queuing nothing."""
         params = params or SamplingParams()
+        try:
+            tier_value = Tier.parse(tier)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="service_tier") from None
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -90,12 +122,14 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
             arrival_time=self.clock.now() if arrival_time is None else arrival_time,
             eos_token_id=self.eos_token_id, stop_token_ids=list(params.stop_token_ids),
-            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos)
+            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, tier=tier_value,
+            priority=priority)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                            params.skip_special_tokens, params.min_tokens)
-        stats = RequestStats(request_id, request.arrival_time, num_prompt_tokens=len(prompt_ids))
+        stats = RequestStats(request_id, request.arrival_time, num_prompt_tokens=len(prompt_ids),
+                             tier=tier_value.label)
         self._tracked[request_id] = _Tracked(request, prompt_text, params, detok, stats)
         self.runner.add_request(request_id, params, self.eos_token_id)
         self.scheduler.add_request(request)
@@ -141,9 +175,9 @@ class LLMEngine:
         return self._output(self._tracked[request_id], self.clock.now())
 
     def served_tier(self, tier: str) -> str:
-        """The tier a request asking for `tier` is served in. The FCFS scheduler serves
-        every request alike, so today that is always `default`."""
-        return "default"
+        """The tier a request asking for `tier` is served in: itself, except under the FCFS
+        policy, which serves every request alike (as `default`)."""
+        return tier if self.scheduler.policy.name != "fcfs" else "default"
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -154,15 +188,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        scheduled = self.scheduler.schedule()
+        start = self.clock.now()
+        scheduled = self.scheduler.schedule(start)
+        refused = [self._output(self._tracked[i], start) for i in scheduled.refused_ids]
         if scheduled.is_empty:
-            return []
+            return refused
         start = self.clock.now()
         result = self.runner.execute(scheduled)
         end = self.clock.now()
         touched = self.scheduler.update(scheduled, result)
         self._record_step(scheduled, start, end)
-        return [self._output(self._tracked[r.request_id], end) for r in touched]
+        return refused + [self._output(self._tracked[r.request_id], end) for r in touched]
 
     def _record_step(self, scheduled: SchedulerOutput, start: float, end: float) -> None:
         seqs = []

@@ -38,8 +38,12 @@ class StepStats:
 
 @dataclass
 class RequestStats:
+    """One request's timeline (arrival, first scheduled, first token, each token, finish)
+    and counters; the raw material of TTFT, TPOT and SLO attainment."""
+
     request_id: str
     arrival_time: float
+    tier: str = "default"
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -69,6 +73,22 @@ class RequestStats:
         if self.finished_time is None:
             return None
         return self.finished_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None below two tokens)."""
+        t = self.token_times
+        if len(t) < 2:
+            return None
+        return (t[-1] - t[0]) / (len(t) - 1)
+
+    def meets(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Whether the request finished normally within both targets (None: no target)."""
+        if self.finish_reason not in ("stop", "length") or self.ttft_s is None:
+            return False
+        if ttft_s is not None and self.ttft_s > ttft_s:
+            return False
+        return tpot_s is None or self.tpot_s is None or self.tpot_s <= tpot_s
 
     @property
     def inter_token_s(self) -> list[float]:

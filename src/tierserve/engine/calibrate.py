@@ -1,0 +1,61 @@
+"""Calibration: fit the step-time model to steps measured on this engine.
+
+NOTE: the grid
+    A few batches that together vary every feature of the model independently: lone
+    prefills of rising length (per token, with one sequence), decode batches of rising
+    size at a short context (per sequence) and one at a long context (per query-key pair);
+    the prefills of the batches add steps where chunks meet decodes. A warm-up batch
+    (allocator and kernel warm-up) is not measured. About 5 seconds on a 2-core CPU. Nothing of it stays behind: the prefix cache is emptied and the counters and
+    stat sinks the engine had are restored.
+"""
+
+import dataclasses
+import random
+
+from tierserve.core.step_time import StepTimeModel
+from tierserve.engine.stats import StatsCollector
+from tierserve.sampling_params import SamplingParams
+
+
+def calibration_batches(max_num_seqs: int, max_len: int) -> list[tuple[int, int, int]]:
+    """(num_requests, prompt_len, max_tokens) per batch, clipped to the engine's limits."""
+    short, long = min(32, max_len - 8), min(512, max_len - 8)
+    batches = [(1, min(n, max_len - 2), 1) for n in (32, 128, 384)]  # lone prefills
+    batches += [(min(b, max_num_seqs), short, 6) for b in (1, 8, 32)]  # decode sizes
+    batches += [(min(8, max_num_seqs), long, 6)]  # decodes over a long context
+    return batches
+
+
+def calibrate(engine, repeats: int = 1, seed: int = 0) -> StepTimeModel:
+    """Run the calibration grid on `engine`, which must be idle; return the fitted model."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("calibrate needs an idle engine")
+    rng = random.Random(seed)
+    collector = StatsCollector()
+    sinks, engine.stat_sinks = engine.stat_sinks, [collector]
+    counters = (engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens)
+    vocab = engine.shape.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    try:
+        _run_batch(engine, 2, 64, 2, rng, vocab, params)  # warm-up, not measured
+        collector.steps.clear()
+        for _ in range(repeats):
+            for num, prompt_len, max_tokens in calibration_batches(
+                    engine.config.scheduler.max_num_seqs, engine.max_model_len):
+                _run_batch(engine, num, prompt_len, max_tokens, rng, vocab, params)
+    finally:
+        engine.stat_sinks = sinks
+        engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens = counters
+        engine.block_manager.reset_prefix_cache()
+    samples = [(st.num_seqs, st.num_tokens, sum(s.num_tokens * s.context_len for s in st.seqs),
+                st.duration_s) for st in collector.steps]
+    return StepTimeModel.fit(samples)
+
+
+def _run_batch(engine, num: int, prompt_len: int, max_tokens: int, rng, vocab: int,
+               params: SamplingParams) -> None:
+    for _ in range(num):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]  # no prefix hits
+        engine.add_request(None, prompt, dataclasses.replace(params, max_tokens=max_tokens))
+    while engine.has_unfinished_requests():
+        engine.step()
