@@ -119,6 +119,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_bench_tiers(args) -> int:
+    from tierserve.bench.tiers import run
+
+    run(args)
+    return 0
+
+
 def cmd_calibrate(args) -> int:
     from tierserve.engine.calibrate import calibrate
     from tierserve.engine.llm_engine import LLMEngine
@@ -205,6 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(bsrv)
     add_engine_args(bsrv)
     bsrv.set_defaults(func=cmd_bench_serve)
+    btier = bench_sub.add_parser("tiers", help="tiers under open-loop load: fcfs, strict "
+                                               "priority, tiered shared, dedicated silos")
+    from tierserve.bench.tiers import add_args as add_tier_args
+    add_tier_args(btier)
+    btier.set_defaults(func=cmd_bench_tiers)
     return parser
 
 

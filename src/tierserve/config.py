@@ -88,9 +88,14 @@ class SchedulerConfig:
     slots and blocks, a step-time cap while priority decodes, reserves, default aging, a
     flex wait limit)."""
     priority_step_time_s: float | None = None
-    """tiered: while a priority request decodes, steps are cut to this predicted time. None:
+    """tiered: while priority requests are in the engine (and `priority_guard_s` after),
+    steps are cut to this predicted time. None:
     the priority tier's TPOT SLO if set, else 3x a calibrated one-sequence decode step;
     0 turns the cap off."""
+    priority_guard_s: float = 10.0
+    """tiered: the cap stays on this long after the last priority request left, so the
+    next one finds a short step in flight (its wait for that step is part of its TTFT).
+    0: the cap holds only while priority requests are in the engine."""
     reserved_priority_seqs: int = 0
     """tiered: sequence slots only priority requests may take."""
     reserved_priority_blocks: int = 0
@@ -112,7 +117,8 @@ class SchedulerConfig:
         if not 0 <= self.reserved_priority_seqs < self.max_num_seqs:
             raise ConfigError("reserved_priority_seqs must be in [0, max_num_seqs), got "
                               f"{self.reserved_priority_seqs}")
-        for name in ("reserved_priority_blocks", "default_aging_s", "flex_max_wait_s"):
+        for name in ("reserved_priority_blocks", "default_aging_s", "flex_max_wait_s",
+                     "priority_guard_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.priority_step_time_s is not None and self.priority_step_time_s < 0:

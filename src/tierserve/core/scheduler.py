@@ -24,9 +24,11 @@ NOTE: the algorithm (schedule tokens, not phases)
     recomputed tokens are counted, per tier, as wasted work.
 
 NOTE: the step-time cap (tiered)
-    While any priority request is decoding, the predicted time of the step (StepTimeModel)
-    must stay within `step_time_limit_s`, so priority's time per output token holds however
-    much other work is queued. Priority sequences are never cut. Other sequences are added
+    While any priority request is in the engine (waiting, prefilling or decoding), and for
+    `priority_guard_s` after the last one left, the predicted time of the step
+    (StepTimeModel) must stay within `step_time_limit_s`. So priority's time per output
+    token holds however much other work is queued, and a priority arrival waits at most
+    one short step before its own. Priority sequences are never cut. Other sequences are added
     in order while they fit; a prefill chunk is shortened to fit after setting aside the
     time of every decode not yet placed, so lower tiers' prefill is cut first and their
     decodes last.
@@ -126,6 +128,8 @@ class Scheduler:
         self.num_recomputed_tokens = 0
         self.recomputed_tokens_by_tier: Counter[str] = Counter()
         self.preemptions_by_tier: Counter[str] = Counter()
+        self._num_priority = 0  # priority-tier requests in the engine
+        self._priority_seen_at = float("-inf")
 
     # ----------------------------------------------------------- queue state
     @property
@@ -139,6 +143,7 @@ class Scheduler:
         request.arrival_seq = self._arrivals
         self._arrivals += 1
         self.requests[request.request_id] = request
+        self._num_priority += request.tier == Tier.PRIORITY
         self._push_waiting(request)
         if self.policy.tiered and request.tier == Tier.FLEX:
             self._flex_queue.append(request)
@@ -150,6 +155,7 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._num_priority -= request.tier == Tier.PRIORITY
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
@@ -164,7 +170,7 @@ class Scheduler:
         refused = self._refuse_overdue_flex(now) if self.policy.tiered else []
         if self.policy.tiered:
             self._age_default(now)
-        step = _Step(self.config.max_num_batched_tokens, self._time_limit_s())
+        step = _Step(self.config.max_num_batched_tokens, self._time_limit_s(now))
         if step.time_limit_s is not None:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = sum(self._decode_cost_s(r) for r in self.running
@@ -209,10 +215,12 @@ class Scheduler:
             self._add(request, num_new, step)
 
     # ------------------------------------------------- budget, cap, blocks
-    def _time_limit_s(self) -> float | None:
+    def _time_limit_s(self, now: float) -> float | None:
         if not (self.policy.tiered and self.step_time_model and self.step_time_limit_s):
             return None
-        if any(r.tier == Tier.PRIORITY and self._is_decoding(r) for r in self.running):
+        if self._num_priority:
+            self._priority_seen_at = now
+        if now - self._priority_seen_at <= self.config.priority_guard_s:
             return self.step_time_limit_s
         return None
 

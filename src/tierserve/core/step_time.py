@@ -1,15 +1,20 @@
 """A step-time model: how long one engine step takes, predicted from its shape.
 
 NOTE: the model
-    t(step) = fixed + per_seq * seqs + per_token * tokens + per_pair * pairs
+    t(step) = fixed + per_seq * seqs + per_token * tokens
+              + per_kv_token * (context tokens read by decodes)
+              + per_pair * (query-key pairs of prefill chunks)
 
     - fixed: what every step pays whatever it holds (weights streamed once, launch and
       Python overhead);
     - per_seq: sampling, block tables, one attention call per sequence;
     - per_token: the linear layers' work per token computed;
-    - pairs: query-key pairs attended, sum over sequences of new tokens x context length
-      (a decode attends its whole context once; a prefill chunk of n tokens at offset s
-      attends about n x (s + n)).
+    - per_kv_token: a decode reads its whole context from the KV cache once, one token of
+      work per cached token, bound by memory;
+    - per_pair: a prefill chunk of n tokens at offset s attends n x (s + n) pairs, in
+      dense matrix products: far cheaper per pair than a decode's reads. One feature for
+      both would let the prefills' many cheap pairs hide the decodes' cost (measured:
+      a 32-sequence decode step at context 420 predicted 55 ms, took 92).
 
     The coefficients are fitted by least squares to measured steps (`fit`), which is what a
     calibration run does on the engine at hand (`tierserve calibrate`). No torch here: the
@@ -22,7 +27,7 @@ from pathlib import Path
 
 from tierserve.errors import ConfigError
 
-FEATURES = ("fixed_s", "per_seq_s", "per_token_s", "per_pair_s")
+FEATURES = ("fixed_s", "per_seq_s", "per_token_s", "per_kv_token_s", "per_pair_s")
 EPS_S = 1e-12
 """Slack when comparing predicted sums of seconds (float rounding)."""
 
@@ -32,14 +37,24 @@ class StepTimeModel:
     fixed_s: float
     per_seq_s: float
     per_token_s: float
+    per_kv_token_s: float = 0.0
     per_pair_s: float = 0.0
 
     def seq_cost_s(self, num_tokens: int, context_len: int) -> float:
         """Time a sequence adds to a step: `num_tokens` new, `context_len` after them."""
         if num_tokens <= 0:
             return 0.0
-        return self.per_seq_s + self.per_token_s * num_tokens \
-            + self.per_pair_s * num_tokens * context_len
+        cost = self.per_seq_s + self.per_token_s * num_tokens
+        if num_tokens == 1:
+            return cost + self.per_kv_token_s * context_len
+        return cost + self.per_pair_s * num_tokens * context_len
+
+    @staticmethod
+    def features(seqs: list[tuple[int, int]]) -> tuple[int, int, int, int]:
+        """(seqs, tokens, decode context tokens, prefill pairs) of a step's sequences."""
+        kv = sum(c for n, c in seqs if n == 1)
+        pairs = sum(n * c for n, c in seqs if n > 1)
+        return len(seqs), sum(n for n, _ in seqs), kv, pairs
 
     def predict_s(self, seqs: list[tuple[int, int]]) -> float:
         """Predicted time of a step of (num_tokens, context_len) sequences."""
@@ -58,14 +73,14 @@ class StepTimeModel:
 
     # ------------------------------------------------------------ fit, files
     @classmethod
-    def fit(cls, samples: list[tuple[int, int, int, float]]) -> "StepTimeModel":
-        """Least squares over (num_seqs, num_tokens, num_pairs, seconds) samples, with
+    def fit(cls, steps: list[tuple[list[tuple[int, int]], float]]) -> "StepTimeModel":
+        """Least squares over measured steps, each ([(num_tokens, context_len)...], seconds),
         every coefficient kept >= 0 (a negative one is dropped and the rest refitted)."""
-        if len(samples) < len(FEATURES):
+        if len(steps) < len(FEATURES):
             raise ConfigError(f"need at least {len(FEATURES)} measured steps to fit a "
-                              f"step-time model, got {len(samples)}")
-        rows = [(1.0, float(s), float(t), float(p)) for s, t, p, _ in samples]
-        ys = [float(d) for *_, d in samples]
+                              f"step-time model, got {len(steps)}")
+        rows = [(1.0, *map(float, cls.features(seqs))) for seqs, _ in steps]
+        ys = [float(d) for _, d in steps]
         active = list(range(len(FEATURES)))
         while True:
             coef = _least_squares([[r[j] for j in active] for r in rows], ys)

@@ -3,10 +3,11 @@
 NOTE: the grid
     A few batches that together vary every feature of the model independently: lone
     prefills of rising length (per token, with one sequence), decode batches of rising
-    size at a short context (per sequence) and one at a long context (per query-key pair);
-    the prefills of the batches add steps where chunks meet decodes. A warm-up batch
-    (allocator and kernel warm-up) is not measured. About 5 seconds on a 2-core CPU. Nothing of it stays behind: the prefix cache is emptied and the counters and
-    stat sinks the engine had are restored.
+    size at a short and at a long context (per sequence, per KV token read); the prefills
+    of the batches add steps where chunks meet decodes. A warm-up batch (allocator and
+    kernel warm-up) is not measured. About 10 seconds on a 2-core CPU. Nothing of it
+    stays behind: the prefix cache is emptied and the counters and stat sinks the engine
+    had are restored.
 """
 
 import dataclasses
@@ -17,12 +18,17 @@ from tierserve.engine.stats import StatsCollector
 from tierserve.sampling_params import SamplingParams
 
 
-def calibration_batches(max_num_seqs: int, max_len: int) -> list[tuple[int, int, int]]:
-    """(num_requests, prompt_len, max_tokens) per batch, clipped to the engine's limits."""
-    short, long = min(32, max_len - 8), min(512, max_len - 8)
+def calibration_batches(max_num_seqs: int, max_len: int,
+                        budget: int) -> list[tuple[int, int, int]]:
+    """(num_requests, prompt_len, max_tokens) per batch, clipped to the engine's limits.
+    Each batch's first requests keep decoding until its last prompt is in, so its decodes
+    run together at full batch size (beside prefill chunks, then alone)."""
+    short, long = min(32, max_len - 64), min(384, max_len - 64)
     batches = [(1, min(n, max_len - 2), 1) for n in (32, 128, 384)]  # lone prefills
-    batches += [(min(b, max_num_seqs), short, 6) for b in (1, 8, 32)]  # decode sizes
-    batches += [(min(8, max_num_seqs), long, 6)]  # decodes over a long context
+    for ctx in (short, long):  # decodes: batch size x context
+        for b in (1, 8, 32):
+            b = min(b, max_num_seqs)
+            batches.append((b, ctx, min(b * ctx // budget + 4, 60)))
     return batches
 
 
@@ -41,15 +47,15 @@ def calibrate(engine, repeats: int = 1, seed: int = 0) -> StepTimeModel:
         collector.steps.clear()
         for _ in range(repeats):
             for num, prompt_len, max_tokens in calibration_batches(
-                    engine.config.scheduler.max_num_seqs, engine.max_model_len):
+                    engine.config.scheduler.max_num_seqs, engine.max_model_len,
+                    engine.config.scheduler.max_num_batched_tokens):
                 _run_batch(engine, num, prompt_len, max_tokens, rng, vocab, params)
     finally:
         engine.stat_sinks = sinks
         engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens = counters
         engine.block_manager.reset_prefix_cache()
-    samples = [(st.num_seqs, st.num_tokens, sum(s.num_tokens * s.context_len for s in st.seqs),
-                st.duration_s) for st in collector.steps]
-    return StepTimeModel.fit(samples)
+    return StepTimeModel.fit([([(s.num_tokens, s.context_len) for s in st.seqs], st.duration_s)
+                              for st in collector.steps])
 
 
 def _run_batch(engine, num: int, prompt_len: int, max_tokens: int, rng, vocab: int,
