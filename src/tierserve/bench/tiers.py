@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--dedicated-max-num-seqs", type=int, default=4,
                    help="slots of the priority silo (default 4)")
-    p.add_argument("--cap-fraction", type=float, default=0.8,
+    p.add_argument("--cap-fraction", type=float, default=0.9,
                    help="tiered step-time cap as a fraction of the priority TPOT SLO")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bench-seed", type=int, default=2026)

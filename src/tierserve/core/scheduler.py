@@ -26,12 +26,14 @@ NOTE: the algorithm (schedule tokens, not phases)
 NOTE: the step-time cap (tiered)
     While any priority request is in the engine (waiting, prefilling or decoding), and for
     `priority_guard_s` after the last one left, the predicted time of the step
-    (StepTimeModel) must stay within `step_time_limit_s`. So priority's time per output
-    token holds however much other work is queued, and a priority arrival waits at most
-    one short step before its own. Priority sequences are never cut. Other sequences are added
-    in order while they fit; a prefill chunk is shortened to fit after setting aside the
-    time of every decode not yet placed, so lower tiers' prefill is cut first and their
-    decodes last.
+    (StepTimeModel) must stay within `step_time_limit_s`, divided by the smoothed ratio of
+    measured to predicted time of recent steps (so model error does not leak into TPOT).
+    So priority's time per output token holds however much other work is queued, and a
+    priority arrival waits at most one short step before its own. Priority sequences are
+    never cut. In a step where a priority request waits to start, lower tiers get no
+    prefill at all. Other sequences are added in order while they fit; a prefill chunk is
+    shortened to fit after setting aside the time of every decode not yet placed, so lower
+    tiers' prefill is cut first and their decodes last.
 """
 
 import heapq
@@ -66,6 +68,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     refused_ids: list[str] = field(default_factory=list)
     """Requests the scheduler ended without running them (flex past its wait limit)."""
+    predicted_s: float | None = None
+    """The step-time model's prediction for this step (None without a model)."""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -100,6 +104,8 @@ class _Step:
     time_s: float = 0.0
     pending_decode_s: float = 0.0
     """Predicted time of running decodes not yet placed (set aside under the cap)."""
+    priority_waiting: bool = False
+    """A priority request waits to start: lower tiers get no prefill this step."""
     scheduled: dict = field(default_factory=dict)
     """Request -> (num_new_tokens, predicted seconds), in scheduling order."""
     preempted: list = field(default_factory=list)
@@ -130,6 +136,9 @@ class Scheduler:
         self.preemptions_by_tier: Counter[str] = Counter()
         self._num_priority = 0  # priority-tier requests in the engine
         self._priority_seen_at = float("-inf")
+        self.step_time_ratio = 1.0
+        """Measured over predicted step time, smoothed: the cap is divided by it, so it
+        holds in measured time even where the fitted model is off."""
 
     # ----------------------------------------------------------- queue state
     @property
@@ -175,12 +184,24 @@ class Scheduler:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = sum(self._decode_cost_s(r) for r in self.running
                                         if self._is_decoding(r))
+            step.priority_waiting = self._num_priority > sum(
+                r.tier == Tier.PRIORITY for r in self.running)
         self._schedule_running(step)
         self._schedule_waiting(step)
-        return SchedulerOutput(
+        out = SchedulerOutput(
             seqs=[self._describe(req, n) for req, (n, _) in step.scheduled.items()],
             preempted_ids=[r.request_id for r in step.preempted],
             refused_ids=[r.request_id for r in refused])
+        if self.step_time_model is not None and out.seqs:
+            out.predicted_s = self.step_time_model.predict_s(
+                [(len(x.token_ids), x.start_pos + len(x.token_ids)) for x in out.seqs])
+        return out
+
+    def observe_step_time(self, predicted_s: float, measured_s: float) -> None:
+        """Feed back a step's measured time (the engine calls this after each step)."""
+        if predicted_s > 0:
+            ratio = min(max(measured_s / predicted_s, 0.5), 2.0)
+            self.step_time_ratio += 0.05 * (ratio - self.step_time_ratio)
 
     def _schedule_running(self, step: _Step) -> None:
         for request in sorted(self.running, key=self.policy.key):
@@ -192,6 +213,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         bm = self.block_manager
+        cut: list[Request] = []  # top-rank requests the cap left out, set aside for this step
         while self._num_waiting and step.budget > 0:
             request = self._peek_waiting()
             top = self.policy.tiered and request.rank == Tier.PRIORITY
@@ -204,6 +226,9 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > step.budget:
                 break
             num_new = self._fit(request, num_new, step, start=num_hit)
+            if not num_new and top and request.tier != Tier.PRIORITY:
+                cut.append(self._pop_waiting())  # an aged request: priority ones behind it
+                continue                         # may still start
             if not num_new or not self._allocate(request, num_new, step, hit_blocks):
                 break
             self._pop_waiting()
@@ -213,6 +238,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(request, num_new, step)
+        for request in cut:
+            self._push_waiting(request)
 
     # ------------------------------------------------- budget, cap, blocks
     def _time_limit_s(self, now: float) -> float | None:
@@ -221,7 +248,7 @@ class Scheduler:
         if self._num_priority:
             self._priority_seen_at = now
         if now - self._priority_seen_at <= self.config.priority_guard_s:
-            return self.step_time_limit_s
+            return self.step_time_limit_s / self.step_time_ratio
         return None
 
     def _fit(self, request: Request, want: int, step: _Step, start: int | None = None) -> int:
@@ -238,6 +265,8 @@ class Scheduler:
             return num_new
         room = step.time_limit_s - step.time_s
         if not self._is_decoding(request):
+            if step.priority_waiting:
+                return 0  # the step that starts a priority request stays short
             room -= step.pending_decode_s  # cut prefill before anyone's decode
         if model.seq_cost_s(num_new, start + num_new) <= room + EPS_S:
             return num_new
@@ -285,14 +314,17 @@ class Scheduler:
 
     def _choose_victim(self, request: Request, waiting: bool) -> Request | None:
         """Running requests `request` may preempt: a worse rank, or (for a running request)
-        the same rank, itself included. A waiting one preempts only under `tiered`."""
+        the same rank, itself included; never a better tier. A waiting request preempts
+        only under `tiered`, and only if it is a priority request."""
         rank = self.policy.rank(request)
+        tiered = self.policy.tiered
         if waiting:
-            if not (self.policy.tiered and rank == Tier.PRIORITY):
+            if not (tiered and request.tier == Tier.PRIORITY):
                 return None
             candidates = [r for r in self.running if self.policy.rank(r) > rank]
         else:
-            candidates = [r for r in self.running if self.policy.rank(r) >= rank]
+            candidates = [r for r in self.running if self.policy.rank(r) >= rank
+                          and (not tiered or r.tier >= request.tier)]
         return max(candidates, key=self.policy.victim_key, default=None)
 
     def _preempt(self, request: Request, step: _Step) -> None:

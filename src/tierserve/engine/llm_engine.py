@@ -188,9 +188,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        start = self.clock.now()
-        scheduled = self.scheduler.schedule(start)
-        refused = [self._output(self._tracked[i], start) for i in scheduled.refused_ids]
+        begin = self.clock.now()
+        scheduled = self.scheduler.schedule(begin)
+        refused = [self._output(self._tracked[i], begin) for i in scheduled.refused_ids]
         if scheduled.is_empty:
             return refused
         start = self.clock.now()
@@ -198,7 +198,10 @@ class LLMEngine:
         end = self.clock.now()
         touched = self.scheduler.update(scheduled, result)
         self._record_step(scheduled, start, end)
-        return refused + [self._output(self._tracked[r.request_id], end) for r in touched]
+        outputs = refused + [self._output(self._tracked[r.request_id], end) for r in touched]
+        if scheduled.predicted_s is not None:  # the whole step, as a token's wait sees it
+            self.scheduler.observe_step_time(scheduled.predicted_s, self.clock.now() - begin)
+        return outputs
 
     def _record_step(self, scheduled: SchedulerOutput, start: float, end: float) -> None:
         seqs = []
