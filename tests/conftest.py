@@ -83,6 +83,7 @@ def get_engine(**kwargs):
     from tierserve.llm import engine_config
 
     kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("priority_step_time_s", 0)  # no cap, no calibration unless asked
     key = tuple(sorted(kwargs.items()))
     if key not in _ENGINES:
         _ENGINES[key] = LLMEngine(engine_config(**kwargs))

@@ -36,7 +36,7 @@ def test_help_lists_the_commands_the_readme_documents():
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     parser = build_parser()
     help_text = parser.format_help()
-    for command in ("serve", "generate", "bench"):
+    for command in ("serve", "generate", "bench", "calibrate"):
         assert command in help_text and f"tierserve {command}" in readme
     gen_help = subprocess.run([sys.executable, "-m", "tierserve.cli", "generate", "--help"],
                               capture_output=True, text=True).stdout
@@ -45,5 +45,8 @@ def test_help_lists_the_commands_the_readme_documents():
         assert flag in gen_help and flag in readme, flag
     serve_help = subprocess.run([sys.executable, "-m", "tierserve.cli", "serve", "--help"],
                                 capture_output=True, text=True).stdout
-    for flag in ("--host", "--port", "--config", "--served-model-name"):
-        assert flag in serve_help and flag in readme, flag
+    import re
+    flags = set(re.findall(r"--[a-z][a-z-]+", serve_help)) - {"--help"}
+    assert {"--host", "--port", "--config", "--policy", "--deployment"} <= flags
+    missing = sorted(f for f in flags if f not in readme)
+    assert not missing, f"serve flags the README does not document: {missing}"

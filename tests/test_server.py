@@ -20,14 +20,16 @@ MODEL = "smol"
 
 
 class LiveServer:
-    def __init__(self, settings: ServerSettings, **engine_kwargs):
+    def __init__(self, settings: ServerSettings, async_engine=None, **engine_kwargs):
         import uvicorn
-        self.engine = get_engine(**engine_kwargs)
+        if async_engine is None:
+            async_engine = AsyncEngine(get_engine(**engine_kwargs))
+        self.engine = async_engine.engine
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         settings.port = self.port
-        self.app = create_app(AsyncEngine(self.engine), settings, MODEL)
+        self.app = create_app(async_engine, settings, MODEL)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -279,11 +281,14 @@ def test_yaml_config_keys_mirror_flags(tmp_path):
     cfg = tmp_path / "tierserve.yaml"
     cfg.write_text(json.dumps({"max_num_seqs": 7, "port": 9001, "dtype": "float32",
                                "api_keys": {"sk-1": {"tenant": "one", "tiers": ["flex"]}},
-                               "queue_limits": {"flex": 3}}))
+                               "queue_limits": {"flex": 3}, "flex_max_wait_s": 5,
+                               "slo": {"priority": {"ttft_s": 0.5, "tpot_s": 0.1}}}))
     parser = build_parser()
     args = parser.parse_args(["serve", "--config", str(cfg), "--port", "9002"])
     settings, config, name = build(args, parser)
     assert config.scheduler.max_num_seqs == 7 and config.model.dtype == "float32"
+    assert config.scheduler.flex_max_wait_s == 5 and config.scheduler.policy == "tiered"
+    assert config.tiers.slo["priority"].tpot_s == 0.1
     assert settings.port == 9002                           # the flag given wins
     assert settings.api_keys["sk-1"].name == "one" and settings.queue_limits["flex"] == 3
     assert name == "SmolLM2-135M-Instruct"
@@ -292,3 +297,52 @@ def test_yaml_config_keys_mirror_flags(tmp_path):
     from tierserve.errors import ConfigError
     with pytest.raises(ConfigError, match="max_num_seqz"):
         build(parser.parse_args(["serve", "--config", str(bad)]), parser)
+
+
+def test_tiers_over_http_served_tier_and_flex_refusal():
+    """A flex request that cannot start within its wait limit gets 429
+    resource_unavailable, streamed or not; other tiers are served in their tier."""
+    srv = LiveServer(ServerSettings(), flex_max_wait_s=0.0)
+    try:
+        msg = [{"role": "user", "content": "hi"}]
+        r = srv.client().chat.completions.create(model=MODEL, messages=msg, max_tokens=3,
+                                                 service_tier="priority")
+        assert r.service_tier == "priority" and r.choices[0].message.content
+        body = {"model": MODEL, "messages": msg, "max_tokens": 3, "service_tier": "flex"}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 429, r.text
+        err = r.json()["error"]
+        assert err["code"] == "resource_unavailable" and "flex" in err["message"]
+        assert int(r.headers["retry-after"]) >= 1
+        with httpx.stream("POST", srv.url + "/v1/chat/completions",
+                          json={**body, "stream": True}, timeout=60) as s:
+            assert s.status_code == 429
+        srv.wait_idle()
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'finish_reason="refused",model="smol",tier="flex"} 2.0' in text
+        adm = srv.app.state.tierserve.admission
+        assert sum(adm.queued.values()) == 0 and sum(adm.running.values()) == 0
+        assert_blocks_free(srv.engine)
+    finally:
+        srv.stop()
+
+
+def test_dedicated_deployment_routes_priority_to_its_own_engine():
+    from tierserve.router.dedicated import DedicatedEngines
+    fast = get_engine(max_num_seqs=1, policy="fcfs")
+    main = get_engine()
+    srv = LiveServer(ServerSettings(), DedicatedEngines(AsyncEngine(fast), AsyncEngine(main)))
+    try:
+        steps = (fast._step_index, main._step_index)
+        client = srv.client()
+        msg = [{"role": "user", "content": "hi"}]
+        r = client.chat.completions.create(model=MODEL, messages=msg, max_tokens=3,
+                                           service_tier="priority")
+        assert r.service_tier == "priority" and fast._step_index > steps[0]
+        assert main._step_index == steps[1]
+        r = client.chat.completions.create(model=MODEL, messages=msg, max_tokens=3)
+        assert r.service_tier == "default" and main._step_index > steps[1]
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'tier="priority"' in text and 'tier="default"' in text
+    finally:
+        srv.stop()

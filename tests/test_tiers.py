@@ -275,3 +275,22 @@ def test_no_block_leaks_and_invariants_under_any_tier_interleaving(data):
     run_to_completion(s, max_steps=5000)
     bm = s.block_manager
     assert bm.num_free_blocks == bm.num_blocks and s.num_waiting == 0 and not s.running
+
+
+def test_a_step_starting_priority_carries_no_lower_tier_work_every_other_step_at_most():
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=256,
+                       step_time_model=model, step_time_limit_s=0.060)
+    defaults = make_requests(3, prompt_len=4, max_tokens=50, tier=D)
+    for r in defaults:
+        s.add_request(r)
+    step(s)
+    tiers_per_step = []
+    for t in range(4):  # a priority arrival before every step
+        s.add_request(make_requests(1, start=10 + t, prompt_len=6, tier=P,
+                                    arrival_time=float(t))[0])
+        out = step(s, now=float(t))
+        tiers_per_step.append({s.requests[x.request_id].tier for x in out.seqs
+                               if x.request_id in s.requests} | {P})
+    assert tiers_per_step[0] == {P} and D in tiers_per_step[1]
+    assert tiers_per_step[2] == {P} and D in tiers_per_step[3]

@@ -54,6 +54,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a default request waiting this long is ordered with priority ones")
     t.add_argument("--flex-max-wait-s", type=float, default=60.0,
                    help="a flex request not started after this long is refused (429)")
+    t.add_argument("--priority-guard-s", type=float, default=10.0,
+                   help="keep the step-time cap this long after the last priority request")
+    t.add_argument("--deployment", default="shared", choices=["shared", "dedicated"],
+                   help="shared (default): one engine for all tiers; dedicated: priority "
+                        "requests on an engine of their own beside one for the rest (serve)")
+    t.add_argument("--dedicated-max-num-seqs", type=int, default=1,
+                   help="max_num_seqs of the priority engine when --deployment dedicated")
 
 
 def engine_config_from_args(args):
@@ -71,7 +78,9 @@ def engine_config_from_args(args):
         step_time_profile=args.step_time_profile,
         reserved_priority_seqs=args.reserved_priority_seqs,
         reserved_priority_blocks=args.reserved_priority_blocks,
-        default_aging_s=args.default_aging_s, flex_max_wait_s=args.flex_max_wait_s)
+        default_aging_s=args.default_aging_s, flex_max_wait_s=args.flex_max_wait_s,
+        priority_guard_s=args.priority_guard_s, deployment=args.deployment,
+        dedicated_max_num_seqs=args.dedicated_max_num_seqs)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -184,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     srv.add_argument("--config", default=None,
                      help="YAML file; its keys mirror these flags (max_num_seqs: 32), plus "
-                          "api_keys, strict_tiers, queue_limits; flags given win")
+                          "api_keys, strict_tiers, queue_limits, slo; flags given win")
     srv.add_argument("--served-model-name", default=None,
                      help="name clients send as `model` (default: from the model file)")
     add_engine_args(srv)

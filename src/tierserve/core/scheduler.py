@@ -30,8 +30,9 @@ NOTE: the step-time cap (tiered)
     measured to predicted time of recent steps (so model error does not leak into TPOT).
     So priority's time per output token holds however much other work is queued, and a
     priority arrival waits at most one short step before its own. Priority sequences are
-    never cut. In a step where a priority request waits to start, lower tiers get no
-    prefill at all. Other sequences are added in order while they fit; a prefill chunk is
+    never cut. A step that gives a priority request its first token carries no lower-tier
+    work at all (so its TTFT is close to an idle engine's), but only every other step, so
+    a stream of priority arrivals slows lower tiers by half at most. Other sequences are added in order while they fit; a prefill chunk is
     shortened to fit after setting aside the time of every decode not yet placed, so lower
     tiers' prefill is cut first and their decodes last.
 """
@@ -104,8 +105,8 @@ class _Step:
     time_s: float = 0.0
     pending_decode_s: float = 0.0
     """Predicted time of running decodes not yet placed (set aside under the cap)."""
-    priority_waiting: bool = False
-    """A priority request waits to start: lower tiers get no prefill this step."""
+    priority_starting: bool = False
+    """A priority request waits for its first token: lower tiers sit this step out."""
     scheduled: dict = field(default_factory=dict)
     """Request -> (num_new_tokens, predicted seconds), in scheduling order."""
     preempted: list = field(default_factory=list)
@@ -136,6 +137,7 @@ class Scheduler:
         self.preemptions_by_tier: Counter[str] = Counter()
         self._num_priority = 0  # priority-tier requests in the engine
         self._priority_seen_at = float("-inf")
+        self._last_step_for_priority = False
         self.step_time_ratio = 1.0
         """Measured over predicted step time, smoothed: the cap is divided by it, so it
         holds in measured time even where the fitted model is off."""
@@ -184,8 +186,11 @@ class Scheduler:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = sum(self._decode_cost_s(r) for r in self.running
                                         if self._is_decoding(r))
-            step.priority_waiting = self._num_priority > sum(
-                r.tier == Tier.PRIORITY for r in self.running)
+            starting = self._num_priority > sum(
+                r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running)
+            # Every other step at most, so lower tiers keep at least half their pace.
+            step.priority_starting = starting and not self._last_step_for_priority
+            self._last_step_for_priority = step.priority_starting
         self._schedule_running(step)
         self._schedule_waiting(step)
         out = SchedulerOutput(
@@ -263,10 +268,10 @@ class Scheduler:
             step.pending_decode_s -= self._decode_cost_s(request)
         if request.tier == Tier.PRIORITY:
             return num_new
+        if step.priority_starting:
+            return 0  # the step that gives a priority request its first token stays short
         room = step.time_limit_s - step.time_s
         if not self._is_decoding(request):
-            if step.priority_waiting:
-                return 0  # the step that starts a priority request stays short
             room -= step.pending_decode_s  # cut prefill before anyone's decode
         if model.seq_cost_s(num_new, start + num_new) <= room + EPS_S:
             return num_new

@@ -37,6 +37,13 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self.errored: BaseException | None = None
 
+    @property
+    def engines(self) -> tuple["AsyncEngine", ...]:
+        return (self,)
+
+    def served_tier(self, tier: str) -> str:
+        return self.engine.served_tier(tier)
+
     def start(self) -> None:
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -51,10 +58,11 @@ class AsyncEngine:
             self._loop_task = None
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, tier: str = "default",
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (each with its delta) until it finishes.
         Leaving the iteration early (client gone) aborts the request."""
-        request_id = await self.add_request(prompt, params, request_id)
+        request_id = await self.add_request(prompt, params, request_id, tier, priority)
         async for out in self.stream(request_id):
             yield out
 
@@ -74,12 +82,13 @@ class AsyncEngine:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
-    async def add_request(self, prompt, params: SamplingParams,
-                          request_id: str | None = None) -> str:
+    async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                          tier: str = "default", priority: int = 0) -> str:
         self.start()
         while not self._idle.is_set():  # the engine is not thread-safe: wait out the step
             await self._idle.wait()
-        request_id = self.engine.add_request(request_id, prompt, params)
+        request_id = self.engine.add_request(request_id, prompt, params, tier=tier,
+                                             priority=priority)
         self._streams[request_id] = asyncio.Queue()
         self._wake.set()
         return request_id

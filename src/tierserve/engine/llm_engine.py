@@ -41,6 +41,9 @@ class LLMEngine:
 
         self.config = config = config or EngineConfig()
         config.validate()
+        if config.tiers.deployment != "shared":
+            raise ConfigError("the dedicated deployment is two engines: run it with "
+                              "`tierserve serve --deployment dedicated`")
         self.clock = clock or Clock()
         self.stat_sinks = list(stat_sinks or [])
         mc, cc = config.model, config.cache

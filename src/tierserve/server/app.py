@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.engine.async_engine import AsyncEngine
+from tierserve.router.dedicated import DedicatedEngines
 from tierserve.engine.stats import RequestStats
 from tierserve.errors import (AuthenticationError, ContextLengthError, InvalidRequestError,
                               NotFoundError, OverloadedError, RequestTooLargeError,
@@ -56,12 +57,13 @@ class ServerState:
         self.settings = settings
         self.model_name = model_name
         self.metrics = Metrics(model_name)
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | DedicatedEngines | None = None
         self.admission: Admission | None = None
-        self.tier_of: dict[str, str] = {}
 
-    def attach(self, engine: AsyncEngine) -> None:
-        engine.engine.stat_sinks.append(self)
+    def attach(self, engine: "AsyncEngine | DedicatedEngines") -> None:
+        for part in engine.engines:
+            part.engine.stat_sinks.append(self)
+        self.metrics.slo = dict(engine.engine.config.tiers.slo)
         self.admission = Admission(self.settings.queue_limits,
                                    engine.engine.config.scheduler.max_num_seqs)
         self.engine = engine
@@ -70,9 +72,9 @@ class ServerState:
         self.metrics.on_step(stats)
 
     def on_request_finished(self, stats: RequestStats) -> None:
-        self.metrics.observe_request(self.tier_of.pop(stats.request_id, "default"), stats)
+        self.metrics.observe_request(stats.tier, stats)
 
-    def ready_engine(self) -> AsyncEngine:
+    def ready_engine(self) -> "AsyncEngine | DedicatedEngines":
         if self.engine is None:
             raise OverloadedError("the model is still loading", retry_after_s=5,
                                   code="model_loading")
@@ -99,7 +101,7 @@ class ServerState:
         if tier is None or (tier != wanted and self.settings.strict_tiers):
             raise TierNotAllowedError(f"tenant {tenant.name!r} may not use the {wanted} tier "
                                       f"(allowed: {', '.join(tenant.tiers)})")
-        return self.engine.engine.served_tier(tier)
+        return self.engine.served_tier(tier)
 
 
 def create_app(engine: AsyncEngine | None, settings: ServerSettings,
@@ -181,14 +183,22 @@ async def _serve(state: ServerState, kind: str, body, prompts: list, tenant: Ten
     try:
         for prompt in prompts:
             for p in params:
-                await run.add(prompt, p)
+                await run.add(prompt, p, body.priority)
     except Exception:
         run.close()
         raise
     rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
     if body.stream:
-        return StreamingResponse(_sse(run, kind, rid, state.model_name, tier, body,
-                                      len(prompts)),
+        events = run.outputs()
+        first = None
+        if tier == "flex":  # a flex request may be refused: answer 429, not a broken stream
+            try:
+                first = await events.__anext__()
+            except BaseException:
+                run.close()
+                raise
+        return StreamingResponse(_sse(run, events, first, kind, rid, state.model_name, tier,
+                                      body, len(prompts)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     try:
@@ -202,12 +212,20 @@ async def _serve(state: ServerState, kind: str, body, prompts: list, tenant: Ten
     return fmt.completion_body(kind, rid, state.model_name, tier, outputs, len(prompts))
 
 
-async def _sse(run: "ChoiceRun", kind: str, rid: str, model: str, tier: str, body,
-               num_prompts: int):
+async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
+               body, num_prompts: int):
+    """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`)."""
     include_usage = body.include_usage
     started, finals = set(), {}
+
+    async def all_events():
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+
     try:
-        async for index, out in run.outputs():
+        async for index, out in all_events():
             first = index not in started
             started.add(index)
             text = out.delta_text
@@ -238,9 +256,8 @@ class ChoiceRun:
         self._done: set[str] = set()
         self._closed = False
 
-    async def add(self, prompt, params) -> None:
-        rid = await self.engine.add_request(prompt, params)
-        self.state.tier_of[rid] = self.tier
+    async def add(self, prompt, params, priority: int = 0) -> None:
+        rid = await self.engine.add_request(prompt, params, tier=self.tier, priority=priority)
         self.request_ids.append(rid)
 
     async def outputs(self):
@@ -260,6 +277,12 @@ class ChoiceRun:
                 if isinstance(out, Exception):
                     raise out
                 self._account(self.request_ids[index], out)
+                if out.finished and out.outputs[0].finish_reason == "refused":
+                    raise OverloadedError(
+                        f"the {self.tier} tier has no capacity for this request now (it "
+                        "waited past the tier's limit without starting); retry later or use "
+                        "another tier", retry_after_s=self.state.admission.retry_after_s(
+                            self.tier), code="resource_unavailable")
                 yield index, out
         finally:
             for t in tasks:

@@ -15,8 +15,10 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class Metrics:
-    def __init__(self, model: str):
+    def __init__(self, model: str, slo: dict | None = None):
+        """`slo`: tier -> config.SLO, for SLO attainment counters."""
         self.model = model
+        self.slo = dict(slo or {})
         self.registry = r = CollectorRegistry()
         tm = ["tier", "model"]
 
@@ -46,7 +48,14 @@ class Metrics:
                              tm, registry=r)
         self.kv_usage = Gauge("tierserve_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
                               ["model"], registry=r)
-        self.preemptions = Counter("tierserve_preemptions", "Requests preempted.", ["model"],
+        self.preemptions = Counter("tierserve_preemptions",
+                                   "Preemptions of requests, by the preempted one's tier.", tm,
+                                   registry=r)
+        self.slo_met = Counter("tierserve_slo_met_requests",
+                               "Finished requests that met their tier's TTFT and TPOT SLOs "
+                               "(tiers with an SLO configured).", tm, registry=r)
+        self.slo_checked = Counter("tierserve_slo_checked_requests",
+                                   "Finished requests of tiers with an SLO configured.", tm,
                                    registry=r)
         self.step_tokens = hist("tierserve_step_tokens", "Tokens per engine step.",
                                 buckets=_TOKEN_BUCKETS, labels=["model"])
@@ -59,8 +68,6 @@ class Metrics:
     def on_step(self, s: StepStats) -> None:
         m = self.model
         self.kv_usage.labels(m).set(s.kv_usage)
-        if s.num_preempted:
-            self.preemptions.labels(m).inc(s.num_preempted)
         self.step_tokens.labels(m).observe(s.num_tokens)
         self.step_seqs.labels(m).observe(s.num_seqs)
         self.step_time.labels(m).observe(s.duration_s)
@@ -80,6 +87,12 @@ class Metrics:
         self.generation_tokens.labels(*labels).inc(s.num_output_tokens)
         self.cached_tokens.labels(*labels).inc(s.num_cached_tokens)
         self.wasted.labels(*labels).inc(s.num_recomputed_tokens)
+        self.preemptions.labels(*labels).inc(s.num_preemptions)
+        slo = self.slo.get(tier)
+        if slo is not None:
+            self.slo_checked.labels(*labels).inc()
+            if s.meets(slo.ttft_s, slo.tpot_s):
+                self.slo_met.labels(*labels).inc()
         self.finished.labels(*labels, s.finish_reason or "error").inc()
 
     def set_queue_gauges(self, queued: dict, running: dict) -> None:

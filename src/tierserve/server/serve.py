@@ -11,7 +11,8 @@ import sys
 
 from tierserve.errors import ConfigError, TierserveError
 
-_SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n"}
+_SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
+                  "slo"}
 
 
 def load_yaml(path: str) -> dict:
@@ -72,16 +73,53 @@ def build(args, parser):
             setattr(settings, key, int(extra[key]))
     settings.validate()
     config = engine_config_from_args(args)
+    if "slo" in extra:
+        from tierserve.llm import parse_slo
+        config.tiers.slo = parse_slo(extra["slo"])
     config.validate()
     name = settings.served_model_name or default_model_name(args.model, args.load_format)
     return settings, config, name
 
 
-def serve(args, parser) -> int:
-    import uvicorn
+async def build_engines(config, say):
+    """The AsyncEngine (shared deployment) or DedicatedEngines (dedicated). Each engine is
+    built on the thread that will run its steps (see AsyncEngine's note)."""
+    import copy
 
     from tierserve.engine.async_engine import AsyncEngine
     from tierserve.engine.llm_engine import LLMEngine
+
+    loop = asyncio.get_running_loop()
+
+    async def one(cfg, label: str) -> AsyncEngine:
+        thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engine-{label}")
+        engine = await loop.run_in_executor(thread, LLMEngine, cfg, None, None, say)
+        return AsyncEngine(engine, executor=thread)
+
+    if config.tiers.deployment == "shared":
+        return await one(config, "shared")
+    import torch
+
+    from tierserve.router.dedicated import DedicatedEngines
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))  # the cores, split in two
+    fast_cfg = copy.deepcopy(config)
+    fast_cfg.tiers.deployment = "shared"  # each engine alone is a plain engine
+    fast_cfg.scheduler.max_num_seqs = config.tiers.dedicated_max_num_seqs
+    fast_cfg.scheduler.policy = "fcfs"
+    fast_cfg.scheduler.reserved_priority_seqs = 0
+    main_cfg = copy.deepcopy(fast_cfg)
+    main_cfg.scheduler = copy.deepcopy(config.scheduler)
+    main_cfg.scheduler.priority_step_time_s = 0  # no priority requests reach it
+    say(f"dedicated deployment: a priority engine with max_num_seqs "
+        f"{fast_cfg.scheduler.max_num_seqs}, beside one for the other tiers; "
+        f"{torch.get_num_threads()} threads each")
+    return DedicatedEngines(await one(fast_cfg, "fast"), await one(main_cfg, "main"))
+
+
+def serve(args, parser) -> int:
+    import uvicorn
+
     from tierserve.server.app import create_app
 
     settings, config, name = build(args, parser)
@@ -95,22 +133,19 @@ def serve(args, parser) -> int:
     def say(line: str) -> None:
         print(f"tierserve: {line}", file=sys.stderr, flush=True)
 
-    # One thread builds the engine and runs every step (see AsyncEngine's note).
-    engine_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-
     async def load() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         say(f"listening on {url} (loading {name}; /health says 503 until ready)")
         try:
-            engine = await asyncio.get_running_loop().run_in_executor(
-                engine_thread, LLMEngine, config, None, None, say)
+            engine = await build_engines(config, say)
         except Exception as exc:  # report and stop the server
             failure.append(exc)
             server.should_exit = True
             return
-        state.attach(AsyncEngine(engine, executor=engine_thread))
-        say(f"ready: serving {name} at {url}/v1")
+        state.attach(engine)
+        say(f"ready: serving {name} at {url}/v1 ({config.tiers.deployment} deployment, "
+            f"{config.scheduler.policy} policy)")
 
     async def main() -> None:
         task = asyncio.create_task(load())

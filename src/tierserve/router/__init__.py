@@ -1,0 +1,1 @@
+"""Above the engines: how requests reach engine instances (today: the dedicated deployment)."""
