@@ -346,3 +346,79 @@ def test_dedicated_deployment_routes_priority_to_its_own_engine():
         assert 'tier="priority"' in text and 'tier="default"' in text
     finally:
         srv.stop()
+
+
+def test_costs_in_responses_headers_metrics_and_the_ledger(tmp_path):
+    from tierserve.metering.ledger import connect
+    from tierserve.metering.prices import PriceList
+    keys = {"sk-a": Tenant("team-a", ["priority", "default", "flex"])}
+    prices = PriceList(input_per_m=1.0, cached_input_per_m=0.5, output_per_m=4.0)
+    # An engine of its own: the module's `server` keeps the default engine metered too.
+    srv = LiveServer(ServerSettings(api_keys=keys, ledger=str(tmp_path / "l.db"),
+                                    machine_price_per_hour=36.0, prices=prices),
+                     max_num_seqs=16)
+    try:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to ten."}],
+                "max_tokens": 6, "ignore_eos": True, "service_tier": "priority",
+                "metadata": {"feature": "search"}}
+        auth = {"Authorization": "Bearer sk-a"}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers=auth, timeout=60)
+        u = r.json()["usage"]
+        cost = u["cost"]
+        assert cost["currency"] == "USD" and cost["served_tier"] == "priority"
+        assert cost["prefill_usd"] > 0 and cost["decode_usd"] > 0
+        assert cost["machine_usd"] == pytest.approx(cost["prefill_usd"] + cost["decode_usd"])
+        expected = 2.0 * ((u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"])
+                          * 1.0 + u["prompt_tokens_details"]["cached_tokens"] * 0.5
+                          + 6 * 4.0) / 1e6
+        assert cost["charge_usd"] == pytest.approx(expected)
+        assert float(r.headers["x-tierserve-charge-usd"]) == pytest.approx(expected, rel=1e-6)
+        assert r.headers["x-tierserve-served-tier"] == "priority"
+        # a stream's final usage chunk carries the cost too
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", headers=auth, timeout=60,
+                          json={**body, "service_tier": "flex", "stream": True,
+                                "stream_options": {"include_usage": True}}) as s:
+            lines = [json.loads(x[6:]) for x in s.iter_lines()
+                     if x.startswith("data: {")]
+        assert lines[-1]["usage"]["cost"]["served_tier"] == "flex"
+        # a client that leaves is billed for what ran
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=auth, timeout=60,
+                          json={"model": MODEL, "prompt": "Once upon a time",
+                                "max_tokens": 200, "ignore_eos": True, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: {"):
+                    break
+        srv.wait_idle()
+        text = httpx.get(srv.url + "/metrics").text
+        assert 'tierserve_machine_cost_usd_total{model="smol",phase="decode",tier="priority"}' \
+            in text and "tierserve_charge_usd_total" in text
+    finally:
+        srv.stop()
+    db = connect(tmp_path / "l.db")
+    rows = db.execute("SELECT tenant, tier_requested, tier_served, finish_reason, output_tokens,"
+                      " prefill_cost, decode_cost, charge, tags FROM requests ORDER BY id").fetchall()
+    assert [(r[0], r[1], r[3]) for r in rows] == [
+        ("team-a", "priority", "length"), ("team-a", "flex", "length"),
+        ("team-a", "default", "abort")]
+    assert rows[0][7] == pytest.approx(expected) and json.loads(rows[0][8]) == {"feature": "search"}
+    assert 0 < rows[2][4] < 200 and rows[2][5] > 0 and rows[2][7] > 0  # the abort ran a bit
+
+
+def test_a_tenant_over_budget_gets_429_insufficient_quota_and_others_do_not():
+    from tierserve.metering.recorder import Budget
+    keys = {"sk-a": Tenant("a"), "sk-b": Tenant("b")}
+    srv = LiveServer(ServerSettings(api_keys=keys, budgets={"a": Budget(1e-9, "day")}),
+                     max_num_seqs=16)
+    try:
+        msg = [{"role": "user", "content": "hi"}]
+        ok = srv.client("sk-a").chat.completions.create(model=MODEL, messages=msg,
+                                                         max_tokens=3)
+        assert ok.choices[0].message.content is not None  # under budget when it started
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": msg},
+                       headers={"Authorization": "Bearer sk-a"}, timeout=60)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+        assert "budget" in r.json()["error"]["message"]
+        ok = srv.client("sk-b").chat.completions.create(model=MODEL, messages=msg, max_tokens=3)
+        assert ok.choices[0].message.content is not None
+    finally:
+        srv.stop()

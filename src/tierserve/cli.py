@@ -135,6 +135,16 @@ def cmd_bench_tiers(args) -> int:
     return 0
 
 
+def cmd_bill(args) -> int:
+    import os
+
+    from tierserve.metering.bill import run
+
+    if not os.path.exists(args.ledger):
+        raise TierserveError(f"no ledger at {args.ledger} (serve writes one; --ledger PATH)")
+    return run(args)
+
+
 def cmd_calibrate(args) -> int:
     from tierserve.engine.calibrate import calibrate
     from tierserve.engine.llm_engine import LLMEngine
@@ -193,11 +203,37 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     srv.add_argument("--config", default=None,
                      help="YAML file; its keys mirror these flags (max_num_seqs: 32), plus "
-                          "api_keys, strict_tiers, queue_limits, slo; flags given win")
+                          "api_keys, strict_tiers, queue_limits, slo, prices, budgets; "
+                          "flags given win")
     srv.add_argument("--served-model-name", default=None,
                      help="name clients send as `model` (default: from the model file)")
+    from tierserve.metering.ledger import default_path
+    from tierserve.metering.prices import MACHINE_PRICE_PER_HOUR
+    m = srv.add_argument_group("metering")
+    m.add_argument("--ledger", default=str(default_path()),
+                   help="SQLite ledger of every request's cost (default: %(default)s)")
+    m.add_argument("--no-ledger", dest="ledger", action="store_const", const=None,
+                   help="keep no ledger (costs still reach responses and /metrics)")
+    m.add_argument("--hardware", default="cpu-local", choices=list(MACHINE_PRICE_PER_HOUR),
+                   help="machine price profile for cost (default cpu-local)")
+    m.add_argument("--machine-price-per-hour", type=float, default=None,
+                   help="USD per hour of one engine's machine, overriding --hardware")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    bill = sub.add_parser("bill", help="the bill explained, from the ledger")
+    from tierserve.metering.ledger import default_path as ledger_path
+    bill.add_argument("--ledger", default=str(ledger_path()),
+                      help="SQLite ledger (default: %(default)s)")
+    bill.add_argument("--since", default=None,
+                      help="from this time: ISO date/time (UTC), unix seconds, or an age (24h)")
+    bill.add_argument("--until", default=None, help="up to this time (same forms)")
+    bill.add_argument("--by", default="tier",
+                      help="group by tenant, tier (default), model, size, or tag:KEY")
+    bill.add_argument("--format", default="table", choices=["table", "json", "csv"])
+    bill.add_argument("--plot", default=None, metavar="OUT.png",
+                      help="also draw cost per 1K tokens by tier and size, and the cost split")
+    bill.set_defaults(func=cmd_bill)
 
     cal = sub.add_parser("calibrate", help="measure this engine's step times and save the "
                                            "fitted step-time model (JSON)")
@@ -226,6 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     from tierserve.bench.tiers import add_args as add_tier_args
     add_tier_args(btier)
     btier.set_defaults(func=cmd_bench_tiers)
+    from tierserve.bench import metering as bench_metering
+    bmet = bench_sub.add_parser("metering", help="engine tok/s with metering and ledger on "
+                                                 "vs off, in alternating rounds")
+    bench_metering.add_args(bmet)
+    bmet.set_defaults(func=lambda a: bench_metering.run_overhead(a) or 0)
+    bfast = bench_sub.add_parser("fastmode", help="cost per 1K output tokens: all priority in "
+                                                  "dedicated fast mode vs batched vs a mix")
+    bench_metering.add_args(bfast)
+    bfast.set_defaults(func=lambda a: bench_metering.run_fastmode(a) or 0)
     return parser
 
 

@@ -55,12 +55,30 @@ class RequestStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     finish_reason: str | None = None
+    cost: object = None
+    """metering.cost.RequestCost, set by the cost meter when the request finishes."""
+    charge: float | None = None
+    """What the tenant is charged (USD), set by the server when the request finishes."""
 
     @property
     def queue_s(self) -> float | None:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First scheduling to first token."""
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token to finish."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        return self.finished_time - self.first_token_time
 
     @property
     def ttft_s(self) -> float | None:

@@ -13,11 +13,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.engine.async_engine import AsyncEngine
-from tierserve.router.dedicated import DedicatedEngines
 from tierserve.engine.stats import RequestStats
 from tierserve.errors import (AuthenticationError, ContextLengthError, InvalidRequestError,
                               NotFoundError, OverloadedError, RequestTooLargeError,
                               TierNotAllowedError, TierserveError)
+from tierserve.metering.ledger import Ledger
+from tierserve.metering.recorder import Recorder
+from tierserve.router.dedicated import DedicatedEngines
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.metrics import Metrics
@@ -57,11 +59,20 @@ class ServerState:
         self.settings = settings
         self.model_name = model_name
         self.metrics = Metrics(model_name)
+        self.recorder = Recorder(model_name, settings.prices,
+                                 Ledger(settings.ledger) if settings.ledger else None,
+                                 settings.budgets, on_cost=self.metrics.observe_cost,
+                                 on_idle=self.metrics.observe_idle)
         self.engine: AsyncEngine | DedicatedEngines | None = None
         self.admission: Admission | None = None
 
     def attach(self, engine: "AsyncEngine | DedicatedEngines") -> None:
+        price = self.settings.price_per_hour
         for part in engine.engines:
+            sched = part.engine.config.scheduler
+            reserved = 1.0 if part is not engine.engines[-1] else \
+                sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
+            self.recorder.attach(part.engine, price, reserved)
             part.engine.stat_sinks.append(self)
         self.metrics.slo = dict(engine.engine.config.tiers.slo)
         self.admission = Admission(self.settings.queue_limits,
@@ -114,6 +125,10 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
         yield
         if state.engine is not None:
             await state.engine.stop()
+            for part in state.engine.engines:  # the engine may outlive this app (tests)
+                if state in part.engine.stat_sinks:
+                    part.engine.stat_sinks.remove(state)
+        state.recorder.close()
 
     app = FastAPI(title="tierserve", lifespan=lifespan)
     app.state.tierserve = state
@@ -177,13 +192,16 @@ async def _serve(state: ServerState, kind: str, body, prompts: list, tenant: Ten
         raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
     engine = state.ready_engine()
     tier = state.tier_for(body.service_tier, tenant)
+    state.recorder.check_budget(tenant.name)
     params = [body.sampling_params(i) for i in range(body.n)]
     state.admission.admit(tier, len(prompts) * body.n)
     run = ChoiceRun(state, engine, tier, expected=len(prompts) * body.n)
+    requested = "default" if body.service_tier in (None, "auto") else body.service_tier
     try:
         for prompt in prompts:
             for p in params:
-                await run.add(prompt, p, body.priority)
+                request_id = await run.add(prompt, p, body.priority)
+                state.recorder.register(request_id, tenant.name, requested, body.metadata)
     except Exception:
         run.close()
         raise
@@ -200,7 +218,8 @@ async def _serve(state: ServerState, kind: str, body, prompts: list, tenant: Ten
         return StreamingResponse(_sse(run, events, first, kind, rid, state.model_name, tier,
                                       body, len(prompts)),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                                 headers={"Cache-Control": "no-cache",
+                                          "x-tierserve-served-tier": tier})
     try:
         finals = {}
         async for index, out in run.outputs():
@@ -209,7 +228,9 @@ async def _serve(state: ServerState, kind: str, body, prompts: list, tenant: Ten
     finally:
         run.close()
     outputs = [finals[i] for i in range(len(run.request_ids))]
-    return fmt.completion_body(kind, rid, state.model_name, tier, outputs, len(prompts))
+    return JSONResponse(fmt.completion_body(kind, rid, state.model_name, tier, outputs,
+                                            len(prompts)),
+                        headers=fmt.cost_headers(outputs, tier))
 
 
 async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
@@ -256,9 +277,10 @@ class ChoiceRun:
         self._done: set[str] = set()
         self._closed = False
 
-    async def add(self, prompt, params, priority: int = 0) -> None:
+    async def add(self, prompt, params, priority: int = 0) -> str:
         rid = await self.engine.add_request(prompt, params, tier=self.tier, priority=priority)
         self.request_ids.append(rid)
+        return rid
 
     async def outputs(self):
         queue: asyncio.Queue = asyncio.Queue()

@@ -64,6 +64,16 @@ class Metrics:
         self.step_time = hist("tierserve_step_duration_seconds", "Engine step time.",
                               labels=["model"])
 
+        self.machine_cost = Counter("tierserve_machine_cost_usd",
+                                    "Machine cost attributed to requests (USD).",
+                                    tm + ["phase"], registry=r)
+        self.charge = Counter("tierserve_charge_usd", "What tenants were charged (USD).", tm,
+                              registry=r)
+        self.idle_cost = Counter("tierserve_idle_cost_usd",
+                                 "Machine cost of time with no step running (USD); kind "
+                                 "reserved: capacity held for the priority tier.",
+                                 ["model", "kind"], registry=r)
+
     # StatSink ------------------------------------------------------------
     def on_step(self, s: StepStats) -> None:
         m = self.model
@@ -76,8 +86,8 @@ class Metrics:
     def observe_request(self, tier: str, s: RequestStats) -> None:
         labels = (tier, self.model)
         for hist, value in ((self.ttft, s.ttft_s), (self.e2e, s.e2e_s),
-                            (self.queue, s.queue_s), (self.prefill, prefill_s(s)),
-                            (self.decode, decode_s(s))):
+                            (self.queue, s.queue_s), (self.prefill, s.prefill_s),
+                            (self.decode, s.decode_s)):
             if value is not None:
                 hist.labels(*labels).observe(value)
         itl = self.itl.labels(*labels)
@@ -95,6 +105,17 @@ class Metrics:
                 self.slo_met.labels(*labels).inc()
         self.finished.labels(*labels, s.finish_reason or "error").inc()
 
+    def observe_cost(self, tier: str, s: RequestStats) -> None:
+        if s.cost is not None:
+            self.machine_cost.labels(tier, self.model, "prefill").inc(s.cost.prefill_cost)
+            self.machine_cost.labels(tier, self.model, "decode").inc(s.cost.decode_cost)
+        if s.charge:
+            self.charge.labels(tier, self.model).inc(s.charge)
+
+    def observe_idle(self, interval) -> None:
+        self.idle_cost.labels(self.model, "unreserved").inc(interval.cost)
+        self.idle_cost.labels(self.model, "reserved").inc(interval.reserved_cost)
+
     def set_queue_gauges(self, queued: dict, running: dict) -> None:
         for tier in set(queued) | set(running):
             self.waiting.labels(tier, self.model).set(queued.get(tier, 0))
@@ -103,14 +124,3 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-def prefill_s(s: RequestStats) -> float | None:
-    if s.first_token_time is None or s.first_scheduled_time is None:
-        return None
-    return s.first_token_time - s.first_scheduled_time
-
-
-def decode_s(s: RequestStats) -> float | None:
-    if s.finished_time is None or s.first_token_time is None:
-        return None
-    return s.finished_time - s.first_token_time

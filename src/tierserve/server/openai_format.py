@@ -5,14 +5,13 @@ import time
 import uuid
 
 from tierserve.engine.outputs import RequestOutput
-from tierserve.server.metrics import decode_s, prefill_s
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(outputs: list[RequestOutput], num_prompts: int = 1) -> dict:
+def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: str | None = None) -> dict:
     """Prompt tokens count once per distinct prompt; timing is the slowest choice's."""
     per_prompt = len(outputs) // max(num_prompts, 1)
     firsts = outputs[::max(per_prompt, 1)]
@@ -30,9 +29,32 @@ def usage(outputs: list[RequestOutput], num_prompts: int = 1) -> dict:
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
-        "timing": {"queue_s": worst(lambda s: s.queue_s), "prefill_s": worst(prefill_s),
-                   "decode_s": worst(decode_s)},
+        "timing": {"queue_s": worst(lambda s: s.queue_s),
+                   "prefill_s": worst(lambda s: s.prefill_s),
+                   "decode_s": worst(lambda s: s.decode_s)},
+        **({"cost": cost_object(stats, tier)} if tier and any(s.cost for s in stats) else {}),
     }
+
+
+def cost_object(stats: list, tier: str) -> dict:
+    """The `usage.cost` extension: machine cost (prefill, decode) and charge, in USD."""
+    prefill = sum(s.cost.prefill_cost for s in stats if s.cost)
+    decode = sum(s.cost.decode_cost for s in stats if s.cost)
+    return {"prefill_usd": round(prefill, 12), "decode_usd": round(decode, 12),
+            "machine_usd": round(prefill + decode, 12),
+            "charge_usd": round(sum(s.charge or 0.0 for s in stats), 12),
+            "currency": "USD", "served_tier": tier}
+
+
+def cost_headers(outputs: list[RequestOutput], tier: str) -> dict:
+    stats = [o.metrics for o in outputs if o.metrics is not None]
+    headers = {"x-tierserve-served-tier": tier}
+    if any(s.cost for s in stats):
+        c = cost_object(stats, tier)
+        headers.update({"x-tierserve-prefill-cost-usd": f"{c['prefill_usd']:.12f}",
+                        "x-tierserve-decode-cost-usd": f"{c['decode_usd']:.12f}",
+                        "x-tierserve-charge-usd": f"{c['charge_usd']:.12f}"})
+    return headers
 
 
 def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[RequestOutput],
@@ -48,7 +70,7 @@ def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[Re
                    for i, o in enumerate(outputs)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outputs, num_prompts), "service_tier": tier,
+            "choices": choices, "usage": usage(outputs, num_prompts, tier), "service_tier": tier,
             "system_fingerprint": None}
 
 
@@ -76,7 +98,7 @@ def usage_chunk(kind: str, rid: str, model: str, tier: str, outputs, num_prompts
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return sse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
                 "choices": [], "service_tier": tier, "system_fingerprint": None,
-                "usage": usage(outputs, num_prompts)})
+                "usage": usage(outputs, num_prompts, tier)})
 
 
 def sse(body: dict) -> str:

@@ -12,7 +12,7 @@ import sys
 from tierserve.errors import ConfigError, TierserveError
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
-                  "slo"}
+                  "slo", "prices", "budgets"}
 
 
 def load_yaml(path: str) -> dict:
@@ -65,7 +65,10 @@ def build(args, parser):
     settings = ServerSettings(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_keys=ServerSettings.parse_api_keys(extra.get("api_keys", {})),
-        strict_tiers=bool(extra.get("strict_tiers", False)))
+        strict_tiers=bool(extra.get("strict_tiers", False)), ledger=args.ledger,
+        hardware=args.hardware, machine_price_per_hour=args.machine_price_per_hour,
+        prices=ServerSettings.parse_prices(extra.get("prices", {})),
+        budgets=ServerSettings.parse_budgets(extra.get("budgets", {})))
     if "queue_limits" in extra:
         settings.queue_limits.update(extra["queue_limits"])
     for key in ("max_body_bytes", "max_n"):

@@ -14,6 +14,8 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from tierserve.errors import ConfigError
+from tierserve.metering.prices import PriceList, machine_price
+from tierserve.metering.recorder import Budget
 
 TIERS = ("priority", "default", "flex", "batch")
 """Best first."""
@@ -51,6 +53,20 @@ class ServerSettings:
     """Largest request body; beyond: 413."""
     max_n: int = 8
     """Largest `n` (choices per request)."""
+    ledger: str | None = None
+    """SQLite ledger path; None: no ledger (the CLI defaults to the user's data dir)."""
+    hardware: str = "cpu-local"
+    """Machine price profile (metering.prices.MACHINE_PRICE_PER_HOUR)."""
+    machine_price_per_hour: float | None = None
+    """Overrides the hardware profile's price (USD per hour, per engine)."""
+    prices: PriceList = field(default_factory=PriceList)
+    """What tenants are charged per million tokens, with tier multipliers."""
+    budgets: dict[str, Budget] = field(default_factory=dict)
+    """Tenant name -> budget; at the budget, new requests get 429 insufficient_quota."""
+
+    @property
+    def price_per_hour(self) -> float:
+        return machine_price(self.hardware, self.machine_price_per_hour)
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -66,6 +82,35 @@ class ServerSettings:
         for tier, limit in self.queue_limits.items():
             if tier not in TIERS or limit < 0:
                 raise ConfigError(f"queue_limits: bad entry {tier}: {limit}")
+        machine_price(self.hardware, self.machine_price_per_hour)  # ConfigError if unknown
+        self.prices.validate()
+        for tenant, budget in self.budgets.items():
+            budget.validate(tenant)
+
+    @staticmethod
+    def parse_budgets(raw: dict) -> dict[str, Budget]:
+        """YAML `budgets: {team-a: {amount_usd: 50, period: month}}`."""
+        out = {}
+        for tenant, spec in (raw or {}).items():
+            if not isinstance(spec, dict) or "amount_usd" not in spec:
+                raise ConfigError(f"budgets.{tenant}: expected {{amount_usd: N, period: "
+                                  f"day|month|total}}, got {spec!r}")
+            out[str(tenant)] = Budget(float(spec["amount_usd"]), str(spec.get("period", "month")))
+        return out
+
+    @staticmethod
+    def parse_prices(raw: dict) -> PriceList:
+        """YAML `prices: {input_per_m: .., cached_input_per_m: .., output_per_m: ..,
+        tier_multipliers: {priority: 2.0, ...}}`."""
+        prices = PriceList()
+        for key, value in (raw or {}).items():
+            if key == "tier_multipliers":
+                prices.tier_multipliers.update({str(t): float(m) for t, m in value.items()})
+            elif key in ("input_per_m", "cached_input_per_m", "output_per_m"):
+                setattr(prices, key, float(value))
+            else:
+                raise ConfigError(f"prices: unknown key {key!r}")
+        return prices
 
     @staticmethod
     def parse_api_keys(raw: dict) -> dict[str, Tenant]:
