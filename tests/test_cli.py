@@ -36,7 +36,7 @@ def test_help_lists_the_commands_the_readme_documents():
     readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     parser = build_parser()
     help_text = parser.format_help()
-    for command in ("serve", "generate", "bench", "calibrate", "bill"):
+    for command in ("serve", "generate", "bench", "calibrate", "bill", "sim"):
         assert command in help_text and f"tierserve {command}" in readme
     gen_help = subprocess.run([sys.executable, "-m", "tierserve.cli", "generate", "--help"],
                               capture_output=True, text=True).stdout

@@ -87,10 +87,16 @@ class CostMeter:
     # ---------------------------------------------------------------- steps
     def on_step(self, stats) -> None:
         """`stats`: engine.stats.StepStats (start_time, duration_s, seqs)."""
-        self._add_idle(stats.start_time)
-        self.attribute(stats.duration_s, [(s.request_id, s.num_tokens, s.context_len,
-                                           s.is_decode) for s in stats.seqs])
-        self._last_end = stats.start_time + stats.duration_s
+        self.record_step(stats.start_time, stats.duration_s,
+                         [(s.request_id, s.num_tokens, s.context_len, s.is_decode)
+                          for s in stats.seqs])
+
+    def record_step(self, start: float, duration_s: float,
+                    seqs: list[tuple[str, int, int, bool]]) -> None:
+        """A step from `start`: idle time since the last one, then the step's split."""
+        self._add_idle(start)
+        self.attribute(duration_s, seqs)
+        self._last_end = start + duration_s
 
     def attribute(self, duration_s: float, seqs: list[tuple[str, int, int, bool]]) -> None:
         """Split one step among its (request_id, num_tokens, context_len, is_decode)."""

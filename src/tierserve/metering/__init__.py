@@ -1,0 +1,1 @@
+"""Metering: cost per request, prices, the ledger, budgets and the bill."""
