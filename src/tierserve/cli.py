@@ -370,6 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "dedicated fast mode vs batched vs a mix")
     bench_metering.add_args(bfast)
     bfast.set_defaults(func=lambda a: bench_metering.run_fastmode(a) or 0)
+    from tierserve.bench import sim_accuracy
+    bacc = bench_sub.add_parser("sim-accuracy", help="the simulator against the real engine "
+                                                     "on held-out open-loop workloads")
+    sim_accuracy.add_args(bacc)
+    bacc.set_defaults(func=lambda a: sim_accuracy.run(a) or 0)
     return parser
 
 

@@ -203,10 +203,14 @@ class Scheduler:
         return out
 
     def observe_step_time(self, predicted_s: float, measured_s: float) -> None:
-        """Feed back a step's measured time (the engine calls this after each step)."""
+        """Feed back a step's measured time (the engine calls this after each step). Only
+        steps of at least half the cap count: the model's error differs between small
+        decode-only steps and large mixed ones, and the cap is about the large ones."""
+        if self.step_time_limit_s and predicted_s < 0.5 * self.step_time_limit_s:
+            return
         if predicted_s > 0:
             ratio = min(max(measured_s / predicted_s, 0.5), 2.0)
-            self.step_time_ratio += 0.05 * (ratio - self.step_time_ratio)
+            self.step_time_ratio += 0.2 * (ratio - self.step_time_ratio)
 
     def _schedule_running(self, step: _Step) -> None:
         for request in sorted(self.running, key=self.policy.key):

@@ -1,0 +1,91 @@
+"""The simulator against the real engine on this machine.
+
+The engine calibrates its step-time model at startup (the grid in engine/calibrate.py);
+then held-out open-loop workloads (other rates, a tier mix, other lengths than the grid)
+run through the engine and, with the same arrivals, lengths and tiers, through the
+simulator using that calibrated model. Per tier: TTFT p50/p90 and TPOT p50 of both, and
+total throughput; one line per rate with the absolute percentage errors.
+"""
+
+import argparse
+import statistics
+
+TIERS = ("priority", "default", "flex")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rates", default="1,2", help="request rates (req/s)")
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--bench-seed", type=int, default=99)
+
+
+def pct(values, q):
+    values = sorted(v for v in values if v is not None)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else None
+
+
+def figures(rows: list[dict], wall: float) -> dict:
+    out = {"tok_s": sum(r["output_tokens"] for r in rows) / wall}
+    for tier in TIERS:
+        rs = [r for r in rows if r["tier"] == tier]
+        if rs:
+            out[tier] = {"ttft_p50": pct([r["ttft_s"] for r in rs], 0.5),
+                         "ttft_p90": pct([r["ttft_s"] for r in rs], 0.9),
+                         "tpot_p50": pct([r["tpot_s"] for r in rs], 0.5)}
+    return out
+
+
+def run(args) -> None:
+    from tierserve.bench.tiers import SYSTEM_PROMPT, make_workload, run_open_loop
+    from tierserve.config import SchedulerConfig
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.llm import engine_config
+    from tierserve.sim.loop import Simulator
+    from tierserve.sim.workload import SimRequest
+
+    engine = LLMEngine(engine_config(max_num_seqs=args.max_num_seqs))
+    model = engine.scheduler.step_time_model
+    sc = engine.config.scheduler
+    errors = []
+    for rate in [float(r) for r in args.rates.split(",")]:
+        arrivals = make_workload(rate, args.requests, args.bench_seed + int(rate * 10), 0.2, 0.3)
+        real = run_open_loop(engine, arrivals)
+        engine.block_manager.reset_prefix_cache()
+        sim = Simulator(SchedulerConfig(max_num_seqs=sc.max_num_seqs,
+                                        max_num_batched_tokens=sc.max_num_batched_tokens,
+                                        policy=sc.policy, priority_guard_s=sc.priority_guard_s,
+                                        default_aging_s=sc.default_aging_s,
+                                        flex_max_wait_s=sc.flex_max_wait_s),
+                        engine.block_manager.num_blocks, engine.block_manager.block_size,
+                        engine.max_model_len, model, 0.1,
+                        step_time_limit_s=engine.scheduler.step_time_limit_s)
+        result = sim.run([SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
+                                     shared_prefix=len(SYSTEM_PROMPT)) for a in arrivals])
+        simulated = [{"tier": r.tier, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+                      "output_tokens": r.num_output_tokens} for r in result.requests]
+        first = min(r.arrival_time for r in result.requests)
+        fr = figures(real["requests"], real["wall_s"])
+        fs = figures(simulated, max(r.finished_time for r in result.requests) - first)
+        parts = [f"tok/s engine {fr['tok_s']:.1f} sim {fs['tok_s']:.1f} "
+                 f"({_err(fs['tok_s'], fr['tok_s']):.0%})"]
+        for tier in TIERS:
+            if tier not in fr:
+                continue
+            cells = []
+            for k in ("ttft_p50", "ttft_p90", "tpot_p50"):
+                e = _err(fs[tier][k], fr[tier][k])
+                errors.append(e)
+                cells.append(f"{k} {fr[tier][k] * 1e3:.0f}/{fs[tier][k] * 1e3:.0f}ms ({e:.0%})")
+            parts.append(f"{tier}: " + " ".join(cells))
+        print(f"sim_accuracy rate={rate:g} requests={args.requests} max_num_seqs="
+              f"{args.max_num_seqs} policy={sc.policy} (engine/sim, abs error) | "
+              + " | ".join(parts), flush=True)
+    print(f"sim_accuracy median absolute error over tiers x (TTFT p50, p90, TPOT p50): "
+          f"{statistics.median(errors):.0%} (target <= 10%)", flush=True)
+
+
+def _err(sim: float | None, real: float | None) -> float:
+    if sim is None or real is None or real == 0:
+        return float("nan")
+    return abs(sim - real) / real
