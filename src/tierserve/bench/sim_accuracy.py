@@ -10,6 +10,8 @@ total throughput; one line per rate with the absolute percentage errors.
 import argparse
 import statistics
 
+from tierserve.engine.stats import percentile as pct
+
 TIERS = ("priority", "default", "flex")
 
 
@@ -18,11 +20,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--bench-seed", type=int, default=99)
-
-
-def pct(values, q):
-    values = sorted(v for v in values if v is not None)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else None
 
 
 def figures(rows: list[dict], wall: float) -> dict:

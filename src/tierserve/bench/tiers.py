@@ -192,10 +192,11 @@ def collect(proc: subprocess.Popen) -> dict:
 
 # ------------------------------------------------------------------- figures
 def pct(values: list[float], q: float) -> float:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+    """percentile(), with NaN for no values (printed, never compared)."""
+    from tierserve.engine.stats import percentile
+
+    value = percentile(values, q)
+    return float("nan") if value is None else value
 
 
 def summarize(run: dict, slo: dict) -> dict:

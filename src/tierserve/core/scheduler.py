@@ -32,9 +32,15 @@ NOTE: the step-time cap (tiered)
     priority arrival waits at most one short step before its own. Priority sequences are
     never cut. A step that gives a priority request its first token carries no lower-tier
     work at all (so its TTFT is close to an idle engine's), but only every other step, so
-    a stream of priority arrivals slows lower tiers by half at most. Other sequences are added in order while they fit; a prefill chunk is
-    shortened to fit after setting aside the time of every decode not yet placed, so lower
-    tiers' prefill is cut first and their decodes last.
+    a stream of priority arrivals slows lower tiers by half at most. Other sequences are
+    added in order while they fit; a prefill chunk is shortened to fit after setting aside
+    the time of every decode not yet placed, so lower tiers' prefill is cut first and
+    their decodes last.
+
+Why one file of about 470 lines: budget, cap, slots, blocks and preemption decide together
+within one pass over the queues (a preemption gives back budget and predicted time that
+the next request may take), so they share the `_Step` state and read best side by side.
+The policies (core/policy.py) and the step-time model (core/step_time.py) live apart.
 """
 
 import heapq

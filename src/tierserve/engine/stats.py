@@ -132,3 +132,11 @@ class StatsCollector:
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.requests.append(stats)
+
+
+def percentile(values, q: float) -> float | None:
+    """The nearest-rank q-quantile of the non-None values (None if there are none)."""
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]

@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 
+from tierserve.engine.stats import percentile as pct
 from tierserve.errors import ConfigError
 from tierserve.metering.ledger import connect
 
@@ -72,13 +73,6 @@ def group_key(row: dict, by: str) -> str:
     if by in ("tenant", "model", "size"):
         return row[by]
     return str(row["tags"].get(by[4:], "(none)"))  # tag:KEY (checked in summarize)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def summarize(rows: list[dict], idle: list[dict], by: str) -> dict:

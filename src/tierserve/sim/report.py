@@ -2,17 +2,11 @@
 
 import json
 
+from tierserve.engine.stats import percentile as pct
 from tierserve.metering.prices import PriceList
 from tierserve.sim.loop import SimResult
 
 TIER_ORDER = ("priority", "default", "flex", "batch")
-
-
-def pct(values: list, q: float) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def summarize(result: SimResult, slo: dict | None = None,
