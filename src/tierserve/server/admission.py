@@ -19,9 +19,11 @@ class Admission:
         self.running: Counter[str] = Counter()
         self._recent_e2e_s = 1.0
 
-    def admit(self, tier: str, n: int = 1) -> None:
+    def admit(self, tier: str, n: int = 1, enforce: bool = True) -> None:
+        """Count `n` queued requests; beyond the tier's limit, 429 (unless not `enforce`d:
+        batch lines, whose number in flight the batch runner bounds)."""
         limit = self.limits.get(tier)
-        if limit is not None and self.queued[tier] + n > limit:
+        if enforce and limit is not None and self.queued[tier] + n > limit:
             raise OverloadedError(
                 f"the {tier} tier's queue is full ({limit} requests waiting); retry later",
                 retry_after_s=self.retry_after_s(tier))

@@ -1,0 +1,234 @@
+"""Running chat and completion requests: admission, the engine requests behind one HTTP
+request, whole or streamed answers; and the same path for one line of a batch job.
+"""
+
+import asyncio
+import json
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from tierserve.engine.async_engine import AsyncEngine
+from tierserve.errors import InvalidRequestError, OverloadedError, TierserveError
+from tierserve.server import openai_format as fmt
+from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.settings import Tenant
+
+KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
+         "/v1/completions": ("completion", CompletionRequest)}
+"""Endpoint -> (kind, request body model)."""
+
+
+def chat_prompts(state, body: ChatCompletionRequest) -> list:
+    tokenizer = state.ready_engine().engine.tokenizer
+    if tokenizer is None:
+        raise InvalidRequestError("this model has no tokenizer", param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    return [tokenizer.apply_chat_template(messages)]
+
+
+def completion_prompts(state, body: CompletionRequest) -> list:
+    state.ready_engine()
+    p = body.prompt
+    prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    return prompts
+
+
+def validation_error(errors: list) -> InvalidRequestError:
+    """The first of pydantic's errors as one clear message naming the parameter."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
+
+
+async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -> tuple[int, dict]:
+    """One batch line, run whole in the batch tier: (HTTP status, response body). Errors
+    become the body the HTTP route would have answered, so a bad line fails alone."""
+    from tierserve.server.app import error_response
+
+    kind, model = KINDS[endpoint]
+    try:
+        try:
+            body = model.model_validate(raw)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        if body.stream:
+            raise InvalidRequestError("stream is not supported in a batch", param="stream")
+        state.check_model(body.model)
+        prompts = chat_prompts(state, body) if kind == "chat" else completion_prompts(state, body)
+        run, tier = await start(state, body, prompts, tenant, tier="batch", tags=tags,
+                                queue_limit=False)
+        result, _ = await collect(state, run, kind, tier, len(prompts))
+        return 200, result
+    except TierserveError as exc:
+        response = error_response(exc)
+        return response.status_code, json.loads(response.body)
+
+
+async def start(state, body, prompts: list, tenant: Tenant, tier: str | None = None,
+                tags: dict | None = None, queue_limit: bool = True) -> tuple["ChoiceRun", str]:
+    """Admit the request and add every choice to the engine; `tier` None: from the body."""
+    if body.n > state.settings.max_n:
+        raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
+    engine = state.ready_engine()
+    requested = tier or ("default" if body.service_tier in (None, "auto") else body.service_tier)
+    tier = state.engine.served_tier(tier) if tier else state.tier_for(body.service_tier, tenant)
+    state.recorder.check_budget(tenant.name)
+    params = [body.sampling_params(i) for i in range(body.n)]
+    state.admission.admit(tier, len(prompts) * body.n, enforce=queue_limit)
+    run = ChoiceRun(state, engine, tier, expected=len(prompts) * body.n)
+    try:
+        for prompt in prompts:
+            for p in params:
+                request_id = await run.add(prompt, p, body.priority)
+                state.recorder.register(request_id, tenant.name, requested,
+                                        {**(body.metadata or {}), **(tags or {})})
+    except Exception:
+        run.close()
+        raise
+    return run, tier
+
+
+async def collect(state, run: "ChoiceRun", kind: str, tier: str,
+                  num_prompts: int) -> tuple[dict, list]:
+    """Wait for every choice: (the whole response body, the final outputs)."""
+    try:
+        finals = {}
+        async for index, out in run.outputs():
+            if out.finished:
+                finals[index] = out
+    finally:
+        run.close()
+    outputs = [finals[i] for i in range(len(run.request_ids))]
+    rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    return fmt.completion_body(kind, rid, state.model_name, tier, outputs, num_prompts), outputs
+
+
+async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
+    """Answer one HTTP request, whole or as a stream."""
+    run, tier = await start(state, body, prompts, tenant)
+    if body.stream:
+        rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        events = run.outputs()
+        first = None
+        if tier == "flex":  # a flex request may be refused: answer 429, not a broken stream
+            try:
+                first = await events.__anext__()
+            except BaseException:
+                run.close()
+                raise
+        return StreamingResponse(_sse(run, events, first, kind, rid, state.model_name, tier,
+                                      body, len(prompts)),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "x-tierserve-served-tier": tier})
+    result, outputs = await collect(state, run, kind, tier, len(prompts))
+    return JSONResponse(result, headers=fmt.cost_headers(outputs, tier))
+
+
+async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
+               body, num_prompts: int):
+    """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`)."""
+    include_usage = body.include_usage
+    started, finals = set(), {}
+
+    async def all_events():
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+
+    try:
+        async for index, out in all_events():
+            first = index not in started
+            started.add(index)
+            text = out.delta_text
+            if text or first:
+                yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage)
+            if out.finished:
+                finals[index] = out
+                yield fmt.chunk(kind, rid, model, tier, index, None,
+                                out.outputs[0].finish_reason, include_usage=include_usage)
+        if include_usage:
+            outputs = [finals[i] for i in range(len(run.request_ids))]
+            yield fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)
+        yield "data: [DONE]\n\n"
+    finally:
+        run.close()  # a client that left aborts whatever is still running
+
+
+class ChoiceRun:
+    """The engine requests behind one HTTP request (n choices x prompts), merged into one
+    stream of (choice index, output); keeps admission counts right whatever happens."""
+
+    def __init__(self, state, engine: AsyncEngine, tier: str, expected: int):
+        self.state, self.engine, self.tier = state, engine, tier
+        self.expected = expected
+        """Admission slots taken for this run: one per choice, added or not."""
+        self.request_ids: list[str] = []
+        self._started: set[str] = set()
+        self._done: set[str] = set()
+        self._closed = False
+
+    async def add(self, prompt, params, priority: int = 0) -> str:
+        rid = await self.engine.add_request(prompt, params, tier=self.tier, priority=priority)
+        self.request_ids.append(rid)
+        return rid
+
+    async def outputs(self):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, rid: str):
+            try:
+                async for out in self.engine.stream(rid):
+                    queue.put_nowait((index, out))
+            except Exception as exc:
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.request_ids)]
+        try:
+            while len(self._done) < len(self.request_ids):
+                index, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
+                self._account(self.request_ids[index], out)
+                if out.finished and out.outputs[0].finish_reason == "refused":
+                    raise OverloadedError(
+                        f"the {self.tier} tier has no capacity for this request now (it "
+                        "waited past the tier's limit without starting); retry later or use "
+                        "another tier", retry_after_s=self.state.admission.retry_after_s(
+                            self.tier), code="resource_unavailable")
+                yield index, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _account(self, rid: str, out) -> None:
+        adm = self.state.admission
+        if out.delta_token_ids and rid not in self._started:
+            self._started.add(rid)
+            adm.started(self.tier)
+        if out.finished and rid not in self._done:
+            self._done.add(rid)
+            adm.finished(self.tier, rid in self._started, out.metrics and out.metrics.e2e_s)
+
+    def close(self) -> None:
+        """Abort unfinished choices and release their admission slots (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for rid in self.request_ids:
+            if rid not in self._done:
+                self.engine.abort(rid)
+                self._done.add(rid)
+                self.state.admission.finished(self.tier, rid in self._started)
+        for _ in range(self.expected - len(self.request_ids)):  # never added (an error)
+            self.state.admission.finished(self.tier, False)
+
+
