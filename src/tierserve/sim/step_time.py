@@ -1,32 +1,40 @@
 """Step-time models for the simulator: a calibrated profile, or a roofline from datasheets.
 
-NOTE: the additive roofline
-    A step streams the weights once, reads each decode's KV cache, and does 2 x params
-    FLOPs per token plus 4 x layers x hidden FLOPs per query-key pair. Written as a sum
-    of those terms over measured-or-datasheet bandwidth and FLOP rate (each scaled by an
-    efficiency), it is a StepTimeModel, the same linear form the scheduler's step-time cap
-    and the cost meter already use:
+NOTE: the roofline
+    A step streams the weights once, reads each decode's KV cache, and does the linear
+    layers' FLOPs per token plus 4 x layers x hidden FLOPs per query-key pair. Each linear
+    layer's time follows the GPU's GEMM curve (sim/opfit.py: a smooth maximum of compute
+    and memory time plus a launch cost, fitted to measured operator timings), which bends
+    at a knee of a few hundred tokens. The scheduler and cost meter need the linear form
+    of a StepTimeModel, so the layers' curve is replaced by the line closest to it in
+    relative error over 1..REF_TOKENS tokens (within 8% for llama-3-8b on an A100):
 
-        fixed      = weight bytes / (bw x eff_bw) + per-step overhead
-        per_token  = 2 x params / (tp x flops x eff_flops)
+        fixed      = line's intercept (weights streamed once, launches) + LM-head weights
+                     + per-step overhead
+        per_seq    = LM head on the sequence's last token + per-sequence overhead
+        per_token  = line's slope
         per_kv     = KV bytes per token / (tp x bw x eff_bw)
         per_pair   = 4 x layers x hidden / (tp x flops x eff_flops)
 
-    The sum is an upper bound of the usual max(compute, memory) form; they differ most
-    where a step is balanced between the two (about 20% for an 8B model at batch 64 on an
-    H100) and little at either end. The efficiencies here are datasheet defaults, not yet
-    fitted to the operator profiles in ../shared/data/profiling.
-    No torch here.
+    Profiles fitted to operator timings (a100-80gb, h100-sxm) carry eff_flops, eff_bw,
+    knee and kernel_launch_s from the fit; a profile with datasheet numbers only gets the
+    default efficiencies, knee 1 (the additive roofline, compute + memory, an upper bound)
+    and no launch cost. Attention's other kernels, norms and communication are not
+    modelled beyond per_kv, per_pair and the overheads. No torch here.
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from tierserve.core.step_time import StepTimeModel
 from tierserve.errors import ConfigError
+from tierserve.sim.opfit import Gemm, GemmCurve, layer_gemms, linearize
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+REF_TOKENS = 2048
+"""The line replacing the GEMM curve is fitted over 1..REF_TOKENS tokens a step (the
+simulator's default max_num_batched_tokens)."""
 
 
 @dataclass(frozen=True)
@@ -38,10 +46,23 @@ class Hardware:
     """Memory bandwidth, datasheet, TB/s."""
     mem_gb: float
     eff_flops: float = 0.6
+    """Fraction of bf16_tflops a large GEMM reaches (fitted, or a datasheet default)."""
     eff_bw: float = 0.8
+    """Fraction of mem_bw_tbs reached streaming weights and KV (fitted, or a default)."""
+    knee: float = 1.0
+    """GEMM time = (compute^knee + memory^knee)^(1/knee): 1 adds them (the default)."""
+    kernel_launch_s: float = 0.0
+    """Fixed time per GEMM kernel (fitted)."""
     step_overhead_s: float = 0.002
     """Scheduling, launch and sampling per step (CUDA graphs would lower it)."""
     seq_overhead_s: float = 0.00002
+    fitted_from: str = ""
+    """Where the efficiencies come from (operator profiles, another GPU's fit), if fitted."""
+    note: str = ""
+
+    def gemm_curve(self) -> GemmCurve:
+        return GemmCurve(self.bf16_tflops * 1e12, self.mem_bw_tbs * 1e12, self.eff_flops,
+                         self.eff_bw, self.knee, self.kernel_launch_s)
 
 
 def load_hardware(name: str) -> Hardware:
@@ -50,18 +71,33 @@ def load_hardware(name: str) -> Hardware:
         known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
         raise ConfigError(f"unknown hardware {name!r}; profiles: {', '.join(known)} (add a "
                           f"JSON file to {PROFILE_DIR})")
-    return Hardware(**json.loads(path.read_text()))
+    data = json.loads(path.read_text())
+    unknown = set(data) - {f.name for f in fields(Hardware)}
+    if unknown:
+        raise ConfigError(f"{path}: unknown field(s) {', '.join(sorted(unknown))}")
+    return Hardware(**data)
 
 
 def roofline(shape, hw: Hardware, dtype_bytes: int = 2, tp: int = 1) -> StepTimeModel:
-    """The additive roofline of `shape` (model.shapes.ModelShape) on `hw`, tensor parallel
-    over `tp` devices (weights and KV split evenly; communication not modelled)."""
-    flops = hw.bf16_tflops * 1e12 * hw.eff_flops * tp
-    bw = hw.mem_bw_tbs * 1e12 * hw.eff_bw * tp
+    """The roofline of `shape` (model.shapes.ModelShape) on `hw`, tensor parallel over `tp`
+    devices (weights and KV split evenly; communication not modelled)."""
+    curve = hw.gemm_curve()
+
+    def layers_s(num_tokens: int) -> float:
+        gemms = layer_gemms(num_tokens, shape.hidden_size, shape.q_size, shape.kv_size,
+                            shape.intermediate_size, True, tp)
+        return shape.num_layers * sum(curve.gemm_s(g, dtype_bytes) for g in gemms)
+
+    intercept, slope = linearize(layers_s, REF_TOKENS)
+    lm_head = Gemm(1, shape.hidden_size, shape.vocab_size // tp)  # the last token of each seq
+    lm_head_flops_s = lm_head.flops / (curve.peak_flops * curve.eff_flops)
+    flops = curve.peak_flops * curve.eff_flops * tp
+    bw = curve.peak_bw * curve.eff_bw * tp
     return StepTimeModel(
-        fixed_s=shape.num_params * dtype_bytes / bw + hw.step_overhead_s,
-        per_seq_s=hw.seq_overhead_s,
-        per_token_s=2 * shape.num_params / flops,
+        fixed_s=intercept + curve.gemm_s(lm_head, dtype_bytes) - lm_head_flops_s
+        + hw.step_overhead_s,
+        per_seq_s=lm_head_flops_s + hw.seq_overhead_s,
+        per_token_s=slope,
         per_kv_token_s=shape.kv_bytes_per_token(dtype_bytes) / bw,
         per_pair_s=4 * shape.num_layers * shape.hidden_size / flops)
 
