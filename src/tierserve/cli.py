@@ -203,8 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     srv.add_argument("--config", default=None,
                      help="YAML file; its keys mirror these flags (max_num_seqs: 32), plus "
-                          "api_keys, strict_tiers, queue_limits, slo, prices, budgets; "
-                          "flags given win")
+                          "api_keys, strict_tiers, queue_limits, slo, prices, budgets, "
+                          "max_file_bytes, max_batch_lines; flags given win")
     srv.add_argument("--served-model-name", default=None,
                      help="name clients send as `model` (default: from the model file)")
     from tierserve.metering.ledger import default_path
@@ -218,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="machine price profile for cost (default cpu-local)")
     m.add_argument("--machine-price-per-hour", type=float, default=None,
                    help="USD per hour of one engine's machine, overriding --hardware")
+    b = srv.add_argument_group("batch jobs (/v1/files, /v1/batches)")
+    b.add_argument("--data-dir", default=str(default_path().parent),
+                   help="uploaded files, results and the batch queue (default: %(default)s)")
+    b.add_argument("--no-batches", dest="data_dir", action="store_const", const=None,
+                   help="serve no /v1/files or /v1/batches")
+    b.add_argument("--batch-max-in-flight", type=int, default=None,
+                   help="batch lines in the engine at once (default: 2x --max-num-seqs)")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -237,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tierserve.sim.cli import add_parsers as add_sim_parsers
     add_sim_parsers(sub)
+    from tierserve.batch.cli import add_parsers as add_batch_parsers
+    add_batch_parsers(sub)
 
     cal = sub.add_parser("calibrate", help="measure this engine's step times and save the "
                                            "fitted step-time model (JSON)")

@@ -53,6 +53,10 @@ class NotFoundError(TierserveError):
         self.param = param
 
 
+class ConflictError(TierserveError):
+    """The object is not in a state that allows the action (cancel a finished batch)."""
+
+
 class RequestTooLargeError(TierserveError):
     """The request body exceeds the configured limit."""
 

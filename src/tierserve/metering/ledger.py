@@ -78,8 +78,9 @@ def m003_batch_and_latency(db: sqlite3.Connection) -> None:
     db.execute("CREATE INDEX requests_tenant_time ON requests (tenant, time)")
 
 
-def connect(path: str | Path) -> sqlite3.Connection:
-    """Open (creating if needed) and migrate the ledger at `path`."""
+def connect(path: str | Path, migrations: list | None = None) -> sqlite3.Connection:
+    """Open (creating if needed) and migrate the ledger at `path` (or another database
+    with its own list of `migrations`, such as the batch store)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     db = sqlite3.connect(path, timeout=30, check_same_thread=False)
@@ -88,7 +89,7 @@ def connect(path: str | Path) -> sqlite3.Connection:
     db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, "
                "applied_at REAL NOT NULL)")
     applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
-    for fn in MIGRATIONS:
+    for fn in MIGRATIONS if migrations is None else migrations:
         if fn.__name__ not in applied:
             with db:
                 fn(db)

@@ -11,11 +11,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tierserve.batch import routes as batch_routes
+from tierserve.batch.routes import CHUNK
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.engine.stats import RequestStats
-from tierserve.errors import (AuthenticationError, ContextLengthError, InvalidRequestError,
-                              NotFoundError, OverloadedError, RequestTooLargeError,
-                              TierNotAllowedError, TierserveError)
+from tierserve.errors import (AuthenticationError, ConflictError, ContextLengthError,
+                              InvalidRequestError, NotFoundError, OverloadedError,
+                              RequestTooLargeError, TierNotAllowedError, TierserveError)
 from tierserve.metering.ledger import Ledger
 from tierserve.metering.recorder import Recorder
 from tierserve.router.dedicated import DedicatedEngines
@@ -33,11 +35,12 @@ ERRORS: list[tuple[type[Exception], int, str]] = [
     (AuthenticationError, 401, "invalid_request_error"),
     (TierNotAllowedError, 403, "permission_error"),
     (NotFoundError, 404, "invalid_request_error"),
+    (ConflictError, 409, "invalid_request_error"),
     (RequestTooLargeError, 413, "invalid_request_error"),
     (OverloadedError, 429, "rate_limit_error"),
 ]
 _DEFAULT_CODES = {401: "invalid_api_key", 403: "tier_not_allowed", 404: "not_found",
-                  413: "request_too_large"}
+                  409: "conflict", 413: "request_too_large"}
 
 
 def error_response(exc: Exception) -> JSONResponse:
@@ -65,6 +68,8 @@ class ServerState:
                                  on_idle=self.metrics.observe_idle)
         self.engine: AsyncEngine | DedicatedEngines | None = None
         self.admission: Admission | None = None
+        self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
+            else None
 
     def attach(self, engine: "AsyncEngine | DedicatedEngines") -> None:
         price = self.settings.price_per_hour
@@ -122,7 +127,8 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
+        async with batch_routes.running(state):  # stopped first: its lines abort cleanly
+            yield
         if state.engine is not None:
             await state.engine.stop()
             for part in state.engine.engines:  # the engine may outlive this app (tests)
@@ -134,8 +140,10 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
     app.state.tierserve = state
     if engine is not None:
         state.attach(engine)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
+                       paths={"/v1/files": settings.max_file_bytes + CHUNK})
     _add_error_handlers(app)
+    batch_routes.register(app, state)
 
     @app.get("/health")
     async def health():
@@ -180,18 +188,20 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
 
 
 class BodyLimit:
-    """ASGI middleware: 413 for a body over the limit, by header or as it streams in."""
+    """ASGI middleware: 413 for a body over the limit, by header or as it streams in.
+    `paths` gives some paths their own limit (file uploads)."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, paths: dict[str, int] | None = None):
+        self.app, self.default_limit, self.paths = app, limit, dict(paths or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.paths.get(scope.get("path"), self.default_limit)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
+        if length is not None and length.isdigit() and int(length) > limit:
             response = error_response(RequestTooLargeError(
-                f"request body of {int(length)} bytes exceeds the {self.limit}-byte limit"))
+                f"request body of {int(length)} bytes exceeds the {limit}-byte limit"))
             return await response(scope, receive, send)
         seen = 0
 
@@ -199,8 +209,8 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise RequestTooLargeError(f"request body exceeds the {self.limit}-byte limit")
+            if seen > limit:
+                raise RequestTooLargeError(f"request body exceeds the {limit}-byte limit")
             return message
 
         await self.app(scope, limited_receive, send)

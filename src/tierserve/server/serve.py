@@ -12,7 +12,7 @@ import sys
 from tierserve.errors import ConfigError, TierserveError
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
-                  "slo", "prices", "budgets"}
+                  "slo", "prices", "budgets", "max_file_bytes", "max_batch_lines"}
 
 
 def load_yaml(path: str) -> dict:
@@ -68,10 +68,11 @@ def build(args, parser):
         strict_tiers=bool(extra.get("strict_tiers", False)), ledger=args.ledger,
         hardware=args.hardware, machine_price_per_hour=args.machine_price_per_hour,
         prices=ServerSettings.parse_prices(extra.get("prices", {})),
-        budgets=ServerSettings.parse_budgets(extra.get("budgets", {})))
+        budgets=ServerSettings.parse_budgets(extra.get("budgets", {})),
+        data_dir=args.data_dir, batch_max_in_flight=args.batch_max_in_flight)
     if "queue_limits" in extra:
         settings.queue_limits.update(extra["queue_limits"])
-    for key in ("max_body_bytes", "max_n"):
+    for key in ("max_body_bytes", "max_n", "max_file_bytes", "max_batch_lines"):
         if key in extra:
             setattr(settings, key, int(extra[key]))
     settings.validate()

@@ -5,7 +5,7 @@ Loaded from flags and from a YAML file whose keys mirror the flags (`--max-num-s
 
     api_keys:
       sk-team-a: {tenant: team-a, tiers: [priority, default, flex]}
-      sk-batchy: {tenant: analytics, tiers: [flex]}
+      sk-batchy: {tenant: analytics, tiers: [flex, batch]}
     strict_tiers: false
     queue_limits: {priority: 16, default: 128, flex: 256}
 """
@@ -27,8 +27,8 @@ REQUEST_TIERS = ("auto", "default", "flex", "priority")
 class Tenant:
     name: str
     """Who is billed; appears in logs and, later, in the ledger."""
-    tiers: list[str] = field(default_factory=lambda: ["priority", "default", "flex"])
-    """Tiers this tenant's key may use."""
+    tiers: list[str] = field(default_factory=lambda: list(TIERS))
+    """Tiers this tenant's key may use (`batch`: the /v1/batches API)."""
 
 
 OPEN_TENANT = Tenant("anonymous")
@@ -63,6 +63,15 @@ class ServerSettings:
     """What tenants are charged per million tokens, with tier multipliers."""
     budgets: dict[str, Budget] = field(default_factory=dict)
     """Tenant name -> budget; at the budget, new requests get 429 insufficient_quota."""
+    data_dir: str | None = None
+    """Where uploaded files, batch results and the batch queue (SQLite) live; None: no
+    /v1/files or /v1/batches (the CLI defaults to the user's data dir)."""
+    max_file_bytes: int = 200 * 2**20
+    """Largest uploaded file; beyond: 413."""
+    max_batch_lines: int = 50_000
+    """Most requests in one batch file; beyond: 400."""
+    batch_max_in_flight: int | None = None
+    """Batch lines in the engine at once; None: twice max_num_seqs."""
 
     @property
     def price_per_hour(self) -> float:
@@ -86,6 +95,10 @@ class ServerSettings:
         self.prices.validate()
         for tenant, budget in self.budgets.items():
             budget.validate(tenant)
+        if self.max_file_bytes < 1 or self.max_batch_lines < 1 or \
+                (self.batch_max_in_flight is not None and self.batch_max_in_flight < 1):
+            raise ConfigError("max_file_bytes, max_batch_lines and batch_max_in_flight must "
+                              "be positive")
 
     @staticmethod
     def parse_budgets(raw: dict) -> dict[str, Budget]:
@@ -120,8 +133,7 @@ class ServerSettings:
                 spec = {"tenant": spec}
             if not isinstance(spec, dict) or "tenant" not in spec:
                 raise ConfigError(f"api_keys: entry for a key needs a tenant name, got {spec!r}")
-            keys[str(key)] = Tenant(str(spec["tenant"]),
-                                    list(spec.get("tiers", ["priority", "default", "flex"])))
+            keys[str(key)] = Tenant(str(spec["tenant"]), list(spec.get("tiers", TIERS)))
         return keys
 
 

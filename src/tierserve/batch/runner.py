@@ -1,0 +1,140 @@
+"""The batch runner: feeds pending lines of active batches to the engine in the `batch`
+tier, a bounded number at a time, records each result once, and finalizes each batch.
+
+NOTE: order and bounds
+    Batches run oldest first, lines in file order; at most `max_in_flight` lines are in the
+    engine at once, across all batches (the default is twice the engine's `max_num_seqs`,
+    so a line is always waiting when one finishes). In the engine the batch tier is the
+    last one served and the first preempted, so interactive traffic keeps its latency.
+
+NOTE: cancel and expiry
+    Cancelling (or passing `expires_at`) stops feeding the batch's lines; the lines already
+    in the engine run to the end and their results are kept, since their tokens are mostly
+    paid for. Then the batch is finalized: lines that never ran go to the error file with
+    code `batch_cancelled` (or `batch_expired`) and count as failed, so `completed + failed
+    = total` in every final state.
+
+NOTE: restarts
+    State lives in the store (see its note); the runner's own state is what is in flight.
+    On start, a batch found `finalizing` is finalized again, one `cancelling` is cancelled,
+    and the pending lines of the others are fed from the first.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+
+from tierserve.batch.store import BatchStore, new_id
+
+log = logging.getLogger("tierserve.batch")
+
+
+class BatchRunner:
+    def __init__(self, store: BatchStore, execute, max_in_flight: int, clock=time.time):
+        """`execute(batch_row, custom_id, body) -> (status_code, response_body)` runs one
+        line (server.completions.execute behind a closure)."""
+        self.store, self.execute = store, execute
+        self.max_in_flight = max(1, max_in_flight)
+        self.clock = clock
+        self._queues: dict[str, deque[int]] = {}
+        self._in_flight: dict[tuple[str, int], asyncio.Task] = {}
+        self._wake = asyncio.Event()
+        self.idle = asyncio.Event()
+        """Set while nothing is pending or in flight (tests and benchmarks wait on it)."""
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                self._step()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                self._wake.clear()
+        finally:
+            tasks = list(self._in_flight.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _step(self) -> None:
+        now = self.clock()
+        busy = False
+        for batch in self.store.active():
+            bid, status = batch["id"], batch["status"]
+            if status == "in_progress" and now >= batch["expires_at"]:
+                status = "expiring"
+            if status == "in_progress":
+                queue = self._queues.get(bid)
+                if queue is None:
+                    queue = self._queues[bid] = deque(self.store.pending(bid))
+                while queue and len(self._in_flight) < self.max_in_flight:
+                    idx = queue.popleft()
+                    self._in_flight[bid, idx] = asyncio.create_task(self._run_line(batch, idx))
+                if queue or self._has_in_flight(bid):
+                    busy = True
+                    continue
+                self._finalize(batch, "completed")
+            elif not self._has_in_flight(bid):
+                final = {"cancelling": "cancelled", "expiring": "expired"}.get(status,
+                                                                               "completed")
+                self._finalize(batch, final)
+            else:
+                self._queues[bid] = deque()  # stop feeding; let the running lines end
+                busy = True
+        if busy:
+            self.idle.clear()
+        else:
+            self.idle.set()
+
+    def _has_in_flight(self, batch_id: str) -> bool:
+        return any(b == batch_id for b, _ in self._in_flight)
+
+    async def _run_line(self, batch, idx: int) -> None:
+        bid = batch["id"]
+        try:
+            custom_id, body = self.store.line(bid, idx)
+            try:
+                status, response = await self.execute(batch, custom_id, body)
+            except asyncio.CancelledError:
+                raise  # shutting down: the line stays pending and runs after a restart
+            except Exception as exc:  # a bug, not the line's fault: fail the line, say why
+                log.exception("batch %s line %d", bid, idx)
+                status, response = 500, {"error": {"message": f"internal error: {exc}",
+                                                   "type": "server_error", "param": None,
+                                                   "code": "internal_error"}}
+            result = {"id": new_id("batch_req_"), "custom_id": custom_id,
+                      "response": {"status_code": status,
+                                   "request_id": response.get("id") or new_id("req_"),
+                                   "body": response},
+                      "error": None}
+            self.store.record(bid, idx, status == 200, result, response.get("usage"))
+        finally:
+            self._in_flight.pop((bid, idx), None)
+            self._wake.set()
+
+    def _finalize(self, batch, status: str) -> None:
+        """Write the output and error files and mark the batch final (see the notes)."""
+        bid = batch["id"]
+        code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(status)
+        if code is None:  # cancelled and expired batches go straight to their final state
+            self.store.set_status(bid, "finalizing", only_from=("in_progress", "finalizing"))
+        for idx in self.store.pending(bid):
+            assert code is not None, f"batch {bid} line {idx} pending at completion"
+            custom_id, _ = self.store.line(bid, idx)
+            self.store.record(bid, idx, False, {
+                "id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
+                "error": {"code": code, "message": f"the batch was {status} before this line "
+                                                   "ran"}})
+        out, err = self.store.results(bid)
+        tenant = batch["tenant"]
+        self.store.finish(bid, status,
+                          self.store.write_file(tenant, f"{bid}_output.jsonl", out),
+                          self.store.write_file(tenant, f"{bid}_error.jsonl", err))
+        self._queues.pop(bid, None)
+        log.info("batch %s %s: %d output lines, %d error lines", bid, status, len(out),
+                 len(err))
+
