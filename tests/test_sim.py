@@ -102,3 +102,13 @@ def test_roofline_profiles_and_bad_specs():
         make_workload("uniform:n=3")
     with pytest.raises(ConfigError, match="cannot read the trace"):
         make_workload("trace:/nonexistent.csv")
+
+
+def test_a_cap_below_one_step_idles_until_the_guard_runs_out_as_the_engine_would():
+    """With the cap under the step's fixed time only priority runs; once the last priority
+    request left, others wait out priority_guard_s (10 s) instead of stalling the run."""
+    sim, result = simulate([SimRequest(0.0, "priority", 50, 5),
+                            SimRequest(0.001, "default", 50, 5)], limit=0.005)
+    by_tier = {r.tier: r for r in result.requests}
+    assert by_tier["default"].finish_reason == "length"
+    assert by_tier["default"].first_scheduled_time > by_tier["priority"].finished_time + 10

@@ -1,95 +1,217 @@
-"""The simulator's commands: `tierserve sim` (and the planner, built on it)."""
+"""The simulator's commands: `tierserve sim` (one engine or a fleet; `--report
+fast-vs-batch`) and `tierserve plan` (the capacity planner built on it)."""
 
 import sys
+import time
 
 from tierserve.errors import TierserveError
 
+TIERS = ("priority", "default", "flex", "batch")
+BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
 
-def cmd_sim(args) -> int:
-    import time
 
-    from tierserve.config import SchedulerConfig
-    from tierserve.core.step_time import StepTimeModel
-    from tierserve.metering.prices import machine_price
-    from tierserve.model.shapes import preset
-    from tierserve.sim.loop import Simulator
-    from tierserve.sim.report import render, summarize
-    from tierserve.sim.step_time import load_hardware, roofline
-    from tierserve.sim.workload import make_workload
+class Bar:
+    """A `progress(done, total)` callback drawing tierserve.progress's bar on stderr."""
 
-    shape = preset(args.model)
+    def __init__(self, label: str):
+        self.label, self.done, self._bar = label, 0, None
+
+    def __call__(self, done: int, total: int) -> None:
+        from tierserve.progress import Progress
+
+        if self._bar is None:
+            self._bar = Progress(self.label, total)
+        self.done = done
+        self._bar.update(done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close(self.done)
+
+
+def parse_slo(items: list[str] | None) -> dict:
+    """`TIER=TTFT_S,TPOT_S` items (either value may be empty) -> tier -> (ttft, tpot)."""
     slo = {}
-    for item in args.slo or []:
+    for item in items or []:
         tier, _, values = item.partition("=")
         try:
             ttft, tpot = (float(v) if v else None for v in values.split(","))
         except ValueError:
             raise TierserveError(f"--slo wants TIER=TTFT_S,TPOT_S, got {item!r}") from None
+        if tier not in TIERS:
+            raise TierserveError(f"--slo: unknown tier {tier!r}; tiers: {', '.join(TIERS)}")
         slo[tier] = (ttft, tpot)
-    if args.step_time_profile:
-        model, hw_name, mem_gb = StepTimeModel.load(args.step_time_profile), "cpu-local", None
-    else:
-        hw = load_hardware(args.hardware)
-        model, hw_name, mem_gb = roofline(shape, hw, args.dtype_bytes, args.tp), hw.name, \
-            hw.mem_gb * args.tp
-    kv_block = shape.kv_bytes_per_token(args.dtype_bytes) * args.block_size
-    if args.num_kv_blocks:
-        num_blocks = args.num_kv_blocks
-    elif mem_gb:
-        free = 0.9 * mem_gb * 2**30 - shape.num_params * args.dtype_bytes
-        if free < kv_block:
-            raise TierserveError(f"{args.model} does not fit {hw_name} x{args.tp}: the weights "
-                                 f"need {shape.num_params * args.dtype_bytes / 2**30:.0f} GiB")
-        num_blocks = int(free // kv_block)
-    else:
-        num_blocks = int(args.kv_cache_memory_gb * 2**30 // kv_block)
-    limit = args.priority_step_time_s
-    if limit is None:
-        limit = (slo.get("priority") or (None, None))[1] or 3 * model.predict_s([(1, 256)])
+    return slo
+
+
+def parse_list(text: str, kind=str, flag: str = "") -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise TierserveError(f"{flag} wants a comma-separated list, got {text!r}") from None
+    if not values:
+        raise TierserveError(f"{flag} is empty")
+    return values
+
+
+def resolve_policy(policy: str, deployment: str | None) -> tuple[str, str]:
+    """The issue's `--policy shared|dedicated` are the tiered policy in that deployment."""
+    if policy in ("shared", "dedicated"):
+        if deployment not in (None, policy):
+            raise TierserveError(f"--policy {policy} contradicts --deployment {deployment}")
+        return "tiered", policy
+    return policy, deployment or "shared"
+
+
+def cmd_sim(args) -> int:
+    from tierserve.config import SchedulerConfig
+    from tierserve.model.shapes import preset
+    from tierserve.sim.fleet import FleetConfig, machine_for, make_simulator, step_time_limit
+    from tierserve.sim.report import plot, render, summarize
+    from tierserve.sim.workload import make_workload
+
+    slo = parse_slo(args.slo)
+    machine = machine_for(preset(args.model), args.hardware, args.tp, args.dtype_bytes,
+                          args.block_size, args.num_kv_blocks, args.machine_price_per_hour,
+                          args.step_time_profile, args.kv_cache_memory_gb)
+    policy, deployment = resolve_policy(args.policy, args.deployment)
+    if args.report == "fast-vs-batch":
+        return _fast_vs_batch(args, machine, policy)
+    if not args.workload:
+        raise TierserveError("sim needs --workload SPEC (or --report fast-vs-batch)")
+    replicas = args.replicas
+    if replicas is None:
+        replicas = args.dedicated_replicas + 1 if deployment == "dedicated" else 1
+    fleet = FleetConfig(
+        replicas=replicas,
+        router=args.router, deployment=deployment, dedicated_replicas=args.dedicated_replicas,
+        dedicated_max_num_seqs=args.dedicated_max_num_seqs)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
-                             policy=args.policy, flex_max_wait_s=args.flex_max_wait_s)
-    price = machine_price(hw_name, args.machine_price_per_hour) * args.tp
-    max_len = min(shape.max_position_embeddings, num_blocks * args.block_size)
+                             policy=policy, flex_max_wait_s=args.flex_max_wait_s)
     workload = make_workload(args.workload)
-
-    def progress(done, total):
-        print(f"\rsim: {done}/{total} requests", end="", file=sys.stderr, flush=True)
-
-    sim = Simulator(config, num_blocks, args.block_size, max_len, model, price,
-                    step_time_limit_s=limit or None, progress=progress)
+    bar = Bar("sim: requests")
+    sim = make_simulator(machine, config, fleet,
+                         step_time_limit(machine.model, slo, args.priority_step_time_s), bar)
     start = time.perf_counter()
     result = sim.run(workload)
-    print(f"\rsim: {len(result.requests)} requests in {time.perf_counter() - start:.1f} s "
-          "of wall time", file=sys.stderr)
-    desc = (f"--workload {args.workload} --model {args.model} --hardware {hw_name} x{args.tp} "
-            f"--policy {args.policy} --max-num-seqs {args.max_num_seqs} "
-            f"--max-num-batched-tokens {args.max_num_batched_tokens} kv_blocks={num_blocks} "
-            f"price=${price}/h")
-    print(render(summarize(result, slo), desc, args.format))
+    bar.close()
+    print(f"sim: {len(result.requests)} requests in {time.perf_counter() - start:.1f} s of "
+          "wall time", file=sys.stderr)
+    desc = (f"--workload {args.workload} --model {args.model} --hardware {machine.hardware} "
+            f"x{args.tp} --policy {policy} --max-num-seqs {args.max_num_seqs} "
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} {fleet.describe()} "
+            f"kv_blocks={machine.num_blocks} price=${machine.price_per_hour}/h per replica")
+    summary = summarize(result, slo)
+    print(render(summary, desc, args.format))
+    if args.plot:
+        paths = plot(result, summary, args.plot)
+        print(f"sim: wrote {', '.join(paths)}", file=sys.stderr)
     return 0
+
+
+def _fast_vs_batch(args, machine, policy: str) -> int:
+    from tierserve.sim.report import fast_vs_batch, render_fast_vs_batch
+
+    sizes = parse_list(args.batch_sizes, int, "--batch-sizes")
+    if min(sizes) < 1:
+        raise TierserveError("--batch-sizes must be >= 1")
+    bar = Bar("sim: batch sizes")
+    start = time.perf_counter()
+    report = fast_vs_batch(machine, sizes, args.prompt_tokens, args.output_tokens,
+                           args.max_num_batched_tokens, policy, progress=bar)
+    bar.close()
+    print(f"sim: {len(sizes)} batch sizes in {time.perf_counter() - start:.1f} s of wall "
+          "time", file=sys.stderr)
+    desc = (f"--model {args.model} --hardware {machine.hardware} x{args.tp} "
+            f"(${machine.price_per_hour}/h) prompt {args.prompt_tokens} output "
+            f"{args.output_tokens} max_num_batched_tokens {args.max_num_batched_tokens}")
+    print(render_fast_vs_batch(report, desc, args.format))
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from tierserve.model.shapes import preset
+    from tierserve.sim.plan import Planner, render
+    from tierserve.sim.workload import make_workload
+
+    slo = parse_slo(args.slo)
+    planner = Planner(preset(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
+                      args.block_size, args.router, args.dedicated_replicas,
+                      args.dedicated_max_num_seqs)
+    hardware = parse_list(args.hardware, str, "--hardware")
+    deployments = parse_list(args.deployments, str, "--deployments")
+    seqs = parse_list(args.max_num_seqs, int, "--max-num-seqs")
+    budgets = parse_list(args.max_num_batched_tokens, int, "--max-num-batched-tokens")
+    workload = make_workload(args.workload)
+    start = time.perf_counter()
+    bar = Bar("plan: configurations")
+    fits = planner.search(workload, hardware, deployments, seqs, budgets, args.max_replicas,
+                          progress=bar)
+    bar.close()
+    curve = None
+    if not args.no_fast_mode_curve:
+        bar = Bar("plan: fast-mode curve")
+        curve = planner.fast_mode_curve(
+            fits[0], workload, parse_list(args.priority_fractions, float,
+                                          "--priority-fractions"),
+            parse_list(args.tpot_scales, float, "--tpot-scales"), args.max_replicas, bar)
+        bar.close()
+    print(f"plan: {planner.num_simulations} simulations in "
+          f"{time.perf_counter() - start:.1f} s of wall time", file=sys.stderr)
+    desc = (f"--workload {args.workload} --model {args.model} x{args.tp} "
+            + " ".join(f"--slo {t}={a if a is not None else ''},{b if b is not None else ''}"
+                       for t, (a, b) in slo.items())
+            + f" --attainment {args.attainment:g} --router {args.router}")
+    searched = (len(hardware) - len(planner.skipped)) * len(deployments) * len(seqs) \
+        * len(budgets)
+    print(render(fits, curve, desc, searched, planner.num_simulations, args.top,
+                 planner.skipped, args.format))
+    return 0
+
+
+# ------------------------------------------------------------------ parsers
+def _add_model_args(p) -> None:
+    p.add_argument("--model", default="llama-3-8b",
+                   help="model shape preset (default llama-3-8b)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
+    p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--router", default="least-tokens", choices=["least-tokens", "round-robin"],
+                   help="how arrivals are spread over replicas (default least-tokens: the "
+                        "replica with the fewest outstanding prompt + output tokens)")
+    p.add_argument("--dedicated-replicas", type=int, default=1,
+                   help="replicas that serve only priority in a dedicated deployment")
+    p.add_argument("--dedicated-max-num-seqs", type=int, default=1,
+                   help="max_num_seqs of each dedicated priority replica (default 1)")
 
 
 def add_parsers(sub) -> None:
     sim = sub.add_parser("sim", help="simulate a workload: the real scheduler and cost meter, "
                                      "a step-time model instead of a GPU")
-    sim.add_argument("--workload", required=True,
+    sim.add_argument("--workload", default=None,
                      help="poisson:rate=2,n=500[,priority=0.2,flex=0.3,prompt=128-512,"
-                          "output=32-256,seed=0] | gamma:...,cv=3 | trace:FILE.csv[,speed=1,"
-                          "n=1000] | closed:users=16,n=500[,think=0]")
+                          "output=32-256,seed=0] | gamma:...,cv=3 | diurnal:rate=2,peak=3,"
+                          "period=86400,n=500 | trace:FILE.csv[,speed=1,n=1000] | "
+                          "ledger:LEDGER.db[,speed=1,n=1000] | closed:users=16,n=500[,think=0]")
     sim.add_argument("--hardware", default="h100-sxm",
                      help="roofline profile: a100-80gb, h100-sxm, h200, l40s, l4 "
                           "(default h100-sxm)")
     sim.add_argument("--step-time-profile", default=None,
                      help="a `tierserve calibrate` JSON instead of the roofline (cpu-local)")
-    sim.add_argument("--model", default="llama-3-8b",
-                     help="model shape preset (default llama-3-8b)")
-    sim.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    sim.add_argument("--dtype-bytes", type=int, default=2)
-    sim.add_argument("--policy", default="tiered", choices=["tiered", "priority", "fcfs"])
+    _add_model_args(sim)
+    sim.add_argument("--policy", default="tiered",
+                     choices=["tiered", "priority", "fcfs", "shared", "dedicated"],
+                     help="tiered (default), priority or fcfs; shared and dedicated mean "
+                          "tiered in that deployment")
+    sim.add_argument("--deployment", default=None, choices=["shared", "dedicated"],
+                     help="shared (default): every replica takes every tier; dedicated: "
+                          "priority on its own replica(s)")
+    sim.add_argument("--replicas", type=int, default=None,
+                     help="replicas in all, dedicated ones included (default 1; dedicated: "
+                          "--dedicated-replicas + 1)")
     sim.add_argument("--max-num-seqs", type=int, default=256)
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sim.add_argument("--block-size", type=int, default=16)
     sim.add_argument("--num-kv-blocks", type=int, default=None,
                      help="default: what the hardware's memory holds after the weights")
     sim.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
@@ -102,5 +224,41 @@ def add_parsers(sub) -> None:
                      help="an SLO to report attainment against (repeatable)")
     sim.add_argument("--machine-price-per-hour", type=float, default=None,
                      help="per device (default: the hardware's list price)")
+    sim.add_argument("--plot", default=None, metavar="DIR",
+                     help="also write latency_cdf.png (TTFT, e2e per tier) and cost_split.png")
+    sim.add_argument("--report", default=None, choices=["fast-vs-batch"],
+                     help="fast-vs-batch: cost per 1M output tokens, TTFT and TPOT at each "
+                          "batch size (closed loop, fixed lengths), against batch 1")
+    sim.add_argument("--batch-sizes", default=BATCH_SIZES,
+                     help=f"for fast-vs-batch (default {BATCH_SIZES})")
+    sim.add_argument("--prompt-tokens", type=int, default=512, help="for fast-vs-batch")
+    sim.add_argument("--output-tokens", type=int, default=256, help="for fast-vs-batch")
     sim.add_argument("--format", default="table", choices=["table", "json"])
     sim.set_defaults(func=cmd_sim)
+
+    plan = sub.add_parser("plan", help="the cheapest fleets meeting every SLO for a "
+                                       "workload, and what fast mode costs")
+    plan.add_argument("--workload", default="poisson:rate=5,n=300,priority=0.2",
+                      help="as for sim (default poisson:rate=5,n=300,priority=0.2)")
+    plan.add_argument("--slo", action="append", metavar="TIER=TTFT_S,TPOT_S",
+                      help="an SLO every configuration must meet (repeatable; at least one)")
+    plan.add_argument("--attainment", type=float, default=0.9,
+                      help="share of each SLO tier's requests within both targets (0.9)")
+    plan.add_argument("--hardware", default="h100-sxm,a100-80gb",
+                      help="candidate hardware profiles (default h100-sxm,a100-80gb)")
+    _add_model_args(plan)
+    plan.add_argument("--max-replicas", type=int, default=4)
+    plan.add_argument("--max-num-seqs", default="16,64,256", help="candidates (16,64,256)")
+    plan.add_argument("--max-num-batched-tokens", default="2048,8192",
+                      help="candidates (2048,8192)")
+    plan.add_argument("--deployments", default="shared,dedicated",
+                      help="candidates (shared,dedicated)")
+    plan.add_argument("--top", type=int, default=5, help="configurations to list (5)")
+    plan.add_argument("--priority-fractions", default="0,0.1,0.2,0.5,1",
+                      help="priority shares of the fast-mode curve (0,0.1,0.2,0.5,1)")
+    plan.add_argument("--tpot-scales", default="0.5,1,2",
+                      help="priority TPOT targets of the curve, x the given (0.5,1,2)")
+    plan.add_argument("--no-fast-mode-curve", action="store_true",
+                      help="skip the fast-mode curve")
+    plan.add_argument("--format", default="table", choices=["table", "json"])
+    plan.set_defaults(func=cmd_plan)

@@ -1,21 +1,31 @@
 """The simulator's event loop: the production scheduler, block manager and cost meter,
-driven by a manual clock and a step-time model instead of a model runner.
+driven by a manual clock and a step-time model instead of a model runner. One engine, or
+a fleet of replicas behind a router (sim/fleet.py builds those).
 
 NOTE: the loop
-    Events sit in a heap ordered by (time, kind, sequence number), so equal times resolve
-    the same way every run: a step's completion first, then arrivals. Processing an event
-    never starts a step directly; once every event of the current instant is processed,
-    if no step is in flight and the scheduler has work, the next step is planned (`Scheduler.schedule`, exactly as the
-    engine does), its duration predicted by the step-time model, and its completion
-    pushed. A completion applies the step (`Scheduler.update`): requests get their token
-    (a fixed token id; outputs run to their workload length with EOS ignored), finished
-    ones are recorded, and closed-loop users send their next request. Same seed, same
-    events, same result.
+    Events sit in one heap ordered by (time, kind, sequence number), so equal times resolve
+    the same way every run: a step's completion first, then arrivals. An arrival goes to
+    the replica the router picks at that instant (one replica: always it). Processing an
+    event never starts a step directly; once every event of the current instant is
+    processed, each replica (in index order) with no step in flight and work to do plans
+    its next step (`Scheduler.schedule`, exactly as the engine does), its duration
+    predicted by the step-time model, and its completion pushed. A completion applies the
+    step (`Scheduler.update`): requests get their token (a fixed token id; outputs run to
+    their workload length with EOS ignored), finished ones are recorded, and closed-loop
+    users send their next request. The replicas share the clock and nothing else. Same
+    seed, same events, same result.
+
+    A replica with work that plans an empty step while nothing else is pending would stall
+    the clock; what can unblock it is time (the tiered cap stays on for `priority_guard_s`
+    after the last priority request, and a cap below one step's fixed time admits only
+    priority), so it gets one wake-up event that much later, as the engine would idle
+    until then. Stalled again after that, the run stops with an error.
 """
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
@@ -28,8 +38,20 @@ from tierserve.errors import ConfigError
 from tierserve.metering.cost import CostMeter
 from tierserve.sim.workload import ClosedLoop, SimRequest
 
-STEP_DONE, ARRIVAL = 0, 1
+STEP_DONE, ARRIVAL, WAKE = 0, 1, 2
+WAKE_SLACK_S = 1e-6  # wake just after the guard has run out
 TOKEN = 1  # every simulated output token; EOS is ignored
+
+
+@dataclass
+class ReplicaResult:
+    name: str
+    busy_s: float
+    num_steps: int
+    mean_kv_usage: float
+    meter: CostMeter
+    request_ids: list[str]
+    """The requests this replica served, in arrival order."""
 
 
 @dataclass
@@ -37,21 +59,30 @@ class SimResult:
     requests: list[RequestStats]
     makespan_s: float
     busy_s: float
+    """Summed over replicas."""
     num_steps: int
     preemptions_by_tier: dict
     recomputed_tokens_by_tier: dict
     mean_kv_usage: float
     meter: CostMeter
-    """Its totals are the window's machine cost; each request's cost is on its stats."""
+    """Its totals are the window's machine cost (a fleet's: summed over replicas); each
+    request's cost is on its stats."""
+    replicas: list[ReplicaResult] = field(default_factory=list)
 
 
-class Simulator:
+class Replica:
+    """One engine: its scheduler, block manager and cost meter, its step in flight, and
+    what a router reads (the tiers it takes, its outstanding tokens)."""
+
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, model: StepTimeModel, price_per_hour: float,
                  step_time_limit_s: float | None = None, enable_prefix_caching: bool = True,
-                 reserved_fraction: float = 0.0, progress=None):
+                 reserved_fraction: float = 0.0, name: str = "r0",
+                 tiers: frozenset[str] | None = None):
         config.validate()
-        self.clock = ManualClock()
+        self.name = name
+        self.tiers = tiers
+        """Tiers a router may send here; None: every tier."""
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
                                           evict_by_tier=config.policy == "tiered")
         self.scheduler = Scheduler(config, self.block_manager, max_model_len,
@@ -60,17 +91,84 @@ class Simulator:
         self.max_model_len = max_model_len
         self.meter = CostMeter(price_per_hour, work_model=model,
                                reserved_fraction=reserved_fraction)
+        self.busy = False
+        self.stalled = False
+        """It planned an empty step with work waiting and got a wake-up event."""
+        self.busy_s = 0.0
+        self.kv_sum = 0.0
+        self.num_steps = 0
+        self.request_ids: list[str] = []
+        self._open_tokens = 0  # sum of prompt + output over unfinished, less outputs made
+        self._tokens_of: dict[str, int] = {}
+
+    def serves(self, tier: str) -> bool:
+        return self.tiers is None or tier in self.tiers
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Prompt tokens not yet computed plus output tokens not yet generated, over this
+        replica's unfinished requests. Only running requests have computed prompt tokens
+        (a preempted one starts over), so this walks at most max_num_seqs of them."""
+        prefilled = sum(min(r.num_computed_tokens, r.num_prompt_tokens)
+                        for r in self.scheduler.running)
+        return self._open_tokens - prefilled
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        self.request_ids.append(request.request_id)
+        self._tokens_of[request.request_id] = request.num_prompt_tokens + request.max_tokens
+        self._open_tokens += request.num_prompt_tokens + request.max_tokens
+
+    def forget(self, request_id: str, num_output_tokens: int) -> None:
+        """A request finished: it no longer counts as outstanding."""
+        self._open_tokens -= self._tokens_of.pop(request_id) - num_output_tokens
+
+
+class Simulator:
+    """One engine (this constructor) or a fleet of replicas (`Simulator.fleet`)."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 max_model_len: int, model: StepTimeModel, price_per_hour: float,
+                 step_time_limit_s: float | None = None, enable_prefix_caching: bool = True,
+                 reserved_fraction: float = 0.0, progress=None):
+        self._setup([Replica(config, num_blocks, block_size, max_model_len, model,
+                             price_per_hour, step_time_limit_s, enable_prefix_caching,
+                             reserved_fraction)], None, progress)
+
+    @classmethod
+    def fleet(cls, replicas: list[Replica], router, progress=None) -> "Simulator":
+        """`router(tier, replicas) -> index` picks each arrival's replica."""
+        if not replicas:
+            raise ConfigError("a fleet needs at least one replica")
+        sim = cls.__new__(cls)
+        sim._setup(replicas, router, progress)
+        return sim
+
+    def _setup(self, replicas: list[Replica], router, progress) -> None:
+        self.replicas = replicas
+        self.router = router
         self.progress = progress
+        """Called as progress(done, total) whenever requests finish."""
+        self.clock = ManualClock()
         self._events: list = []
         self._seq = itertools.count()
         self._stats: dict[str, RequestStats] = {}
         self._done: list[RequestStats] = []
         self._user_of: dict[str, int] = {}
-        self._busy = False
-        self._busy_s = 0.0
-        self._kv_sum = 0.0
-        self._num_steps = 0
         self._ids = itertools.count()
+
+    # The single engine's parts (a fleet's first replica).
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.replicas[0].scheduler
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.replicas[0].block_manager
+
+    @property
+    def meter(self) -> CostMeter:
+        return self.replicas[0].meter
 
     # -------------------------------------------------------------- public
     def run(self, workload: list[SimRequest] | ClosedLoop) -> SimResult:
@@ -83,27 +181,25 @@ class Simulator:
             for req in workload:
                 self._push(req.arrival_s, ARRIVAL, (req, None))
         total = len(closed.requests) if closed else len(workload)
+        start = self._events[0][0] if self._events else 0.0
+        for replica in self.replicas:  # each is paid for from the first arrival on
+            replica.meter.close_window(start)
         while self._events:
             t, kind, _, payload = heapq.heappop(self._events)
             self.clock.set(t)
             if kind == ARRIVAL:
                 self._arrive(*payload)
-            else:
+            elif kind == STEP_DONE:
                 done_before = len(self._done)
-                self._complete(payload, closed)
-                if self.progress and len(self._done) // 1000 > done_before // 1000:
+                self._complete(*payload, closed)
+                if self.progress and len(self._done) > done_before:
                     self.progress(len(self._done), total)
-            simultaneous = self._events and self._events[0][0] <= t
-            if not self._busy and not simultaneous and self.scheduler.has_unfinished():
-                self._start_step()
-        self.meter.close_window(self.clock.now())
-        first = min((s.arrival_time for s in self._done), default=0.0)
-        return SimResult(
-            requests=self._done, makespan_s=self.clock.now() - first, busy_s=self._busy_s,
-            num_steps=self._num_steps,
-            preemptions_by_tier=dict(self.scheduler.preemptions_by_tier),
-            recomputed_tokens_by_tier=dict(self.scheduler.recomputed_tokens_by_tier),
-            mean_kv_usage=self._kv_sum / max(self._num_steps, 1), meter=self.meter)
+            if self._events and self._events[0][0] <= t:
+                continue  # more of this instant first
+            for replica in self.replicas:
+                if not replica.busy and replica.scheduler.has_unfinished():
+                    self._start_step(replica)
+        return self._result()
 
     # ------------------------------------------------------------- events
     def _push(self, t: float, kind: int, payload) -> None:
@@ -112,58 +208,67 @@ class Simulator:
     def _arrive(self, req: SimRequest, user: int | None) -> None:
         i = next(self._ids)
         rid = f"sim-{i}"
-        prompt_len = max(1, min(req.prompt_tokens, self.max_model_len - 1))
-        output = max(1, min(req.output_tokens, self.max_model_len - prompt_len))
+        replica = self.replicas[self.router(req.tier, self.replicas) if self.router else 0]
+        prompt_len = max(1, min(req.prompt_tokens, replica.max_model_len - 1))
+        output = max(1, min(req.output_tokens, replica.max_model_len - prompt_len))
         prefix = min(req.shared_prefix, prompt_len - 1)
         # A unique token right after the shared prefix: no accidental prefix-cache hits.
         prompt = list(range(10, 10 + prefix)) + [100_000 + i] + [5] * (prompt_len - prefix - 1)
         now = self.clock.now()
-        self.scheduler.add_request(Request(rid, prompt, output, arrival_time=now,
-                                           ignore_eos=True, tier=Tier.parse(req.tier)))
+        replica.add(Request(rid, prompt, output, arrival_time=now, ignore_eos=True,
+                            tier=Tier.parse(req.tier)))
         self._stats[rid] = RequestStats(rid, now, tier=req.tier, num_prompt_tokens=prompt_len)
         if user is not None:
             self._user_of[rid] = user
 
-    def _start_step(self) -> None:
+    def _start_step(self, replica: Replica) -> None:
         now = self.clock.now()
-        out = self.scheduler.schedule(now)
+        out = replica.scheduler.schedule(now)
         for rid in out.refused_ids:
-            self._finish(rid, "refused", now, None)
+            self._finish(replica, rid, "refused", now, None)
         if out.is_empty:
-            if self.scheduler.has_unfinished() and not self._events:
-                raise ConfigError("the simulated engine cannot run the waiting requests "
-                                  "(KV pool too small for them?)")
+            if replica.scheduler.has_unfinished() and not self._events:
+                guard_s = replica.scheduler.config.priority_guard_s
+                if replica.stalled or not guard_s:
+                    raise ConfigError("the simulated engine cannot run the waiting requests "
+                                      "(KV pool too small for them?)")
+                replica.stalled = True
+                self._push(now + guard_s + WAKE_SLACK_S, WAKE, replica)
             return
+        replica.stalled = False
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in out.seqs]
-        duration = self.model.predict_s(seqs)
+        duration = replica.model.predict_s(seqs)
         for s in out.seqs:
             stats = self._stats[s.request_id]
             if stats.first_scheduled_time is None:
                 stats.first_scheduled_time = now
-        self.meter.record_step(now, duration, [
+        replica.meter.record_step(now, duration, [
             (s.request_id, n, ctx, s.is_decode) for s, (n, ctx) in zip(out.seqs, seqs)])
-        self._busy = True
-        self._busy_s += duration
-        self._num_steps += 1
-        self._push(now + duration, STEP_DONE, out)
+        replica.busy = True
+        replica.busy_s += duration
+        replica.num_steps += 1
+        self._push(now + duration, STEP_DONE, (replica, out))
 
-    def _complete(self, out: SchedulerOutput, closed: ClosedLoop | None) -> None:
-        self._busy = False
+    def _complete(self, replica: Replica, out: SchedulerOutput,
+                  closed: ClosedLoop | None) -> None:
+        replica.busy = False
         now = self.clock.now()
         sampled = {s.request_id: TOKEN for s in out.seqs if s.sample}
-        for request in self.scheduler.update(out, RunnerOutput(sampled)):
+        for request in replica.scheduler.update(out, RunnerOutput(sampled)):
             stats = self._stats[request.request_id]
             if stats.first_token_time is None:
                 stats.first_token_time = now
             stats.token_times.append(now)
             if request.is_finished:
-                self._finish(request.request_id, request.status.finish_reason, now, request)
+                self._finish(replica, request.request_id, request.status.finish_reason, now,
+                             request)
                 user = self._user_of.pop(request.request_id, None)
                 if closed and user is not None and self._queue:
                     self._push(now + closed.think_s, ARRIVAL, (self._queue.pop(), user))
-        self._kv_sum += self.block_manager.usage
+        replica.kv_sum += replica.block_manager.usage
 
-    def _finish(self, rid: str, reason: str, now: float, request: Request | None) -> None:
+    def _finish(self, replica: Replica, rid: str, reason: str, now: float,
+                request: Request | None) -> None:
         stats = self._stats.pop(rid)
         stats.finished_time = now
         stats.finish_reason = reason
@@ -172,6 +277,30 @@ class Simulator:
             stats.num_cached_tokens = max(request.num_cached_tokens, 0)
             stats.num_preemptions = request.num_preemptions
             stats.num_recomputed_tokens = request.num_recomputed_tokens
-        self.meter.on_request_finished(stats)
+        replica.forget(rid, stats.num_output_tokens)
+        replica.meter.on_request_finished(stats)
         self._done.append(stats)
 
+    # ------------------------------------------------------------- result
+    def _result(self) -> SimResult:
+        now = self.clock.now()
+        parts = []
+        for r in self.replicas:
+            r.meter.close_window(now)
+            parts.append(ReplicaResult(r.name, r.busy_s, r.num_steps,
+                                       r.kv_sum / max(r.num_steps, 1), r.meter, r.request_ids))
+        meter = self.replicas[0].meter
+        if len(self.replicas) > 1:
+            meter = CostMeter(sum(r.meter.price_per_hour for r in self.replicas))
+            for name in ("machine_cost", "idle_cost", "reserved_idle_cost"):
+                setattr(meter, name, sum(getattr(r.meter, name) for r in self.replicas))
+        first = min((s.arrival_time for s in self._done), default=0.0)
+        return SimResult(
+            requests=self._done, makespan_s=now - first,
+            busy_s=sum(p.busy_s for p in parts), num_steps=sum(p.num_steps for p in parts),
+            preemptions_by_tier=dict(sum((r.scheduler.preemptions_by_tier
+                                          for r in self.replicas), Counter())),
+            recomputed_tokens_by_tier=dict(sum((r.scheduler.recomputed_tokens_by_tier
+                                                for r in self.replicas), Counter())),
+            mean_kv_usage=sum(p.mean_kv_usage for p in parts) / len(parts), meter=meter,
+            replicas=parts)

@@ -7,11 +7,22 @@ the command line:
     gamma:rate=2,n=500,cv=3[,...]          bursty arrivals (cv > 1: burstier than Poisson)
     trace:PATH[,speed=1,n=1000,priority=0.2,...]   arrived_at,num_prefill_tokens,num_decode_tokens
     closed:users=16,n=500[,think=0,...]    each user sends its next request when the last ends
+    diurnal:rate=2,peak=3,period=86400,n=500[,phase=0,...]   a daily rate curve (below)
+    ledger:PATH[,speed=1,n=1000]           replay a tierserve ledger's requests
+
+NOTE: diurnal arrivals
+    The rate swings as a cosine between `rate` (the trough, at t = phase) and `peak` (half
+    a period later): rate(t) = rate + (peak - rate) * (1 - cos(2 pi (t - phase) / period)) / 2.
+    Arrivals are a non-homogeneous Poisson process drawn by thinning: candidates at the
+    highest rate, each kept with probability rate(t) / highest rate (seeded).
 """
 
 import csv
+import math
 import random
-from dataclasses import dataclass
+import sqlite3
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from tierserve.errors import ConfigError
 
@@ -39,7 +50,7 @@ def parse_spec(spec: str) -> tuple[str, str | None, dict]:
     path, opts = None, {}
     for i, part in enumerate(p for p in rest.split(",") if p):
         if "=" not in part:
-            if kind == "trace" and i == 0:
+            if kind in ("trace", "ledger") and i == 0:
                 path = part
                 continue
             raise ConfigError(f"workload spec: expected key=value, got {part!r} in {spec!r}")
@@ -92,7 +103,34 @@ def make_workload(spec: str) -> list[SimRequest] | ClosedLoop:
         reqs = [SimRequest(0.0, tier, *lengths(), shared_prefix=prefix)
                 for tier in _tiers(rng, n, o)]
         return ClosedLoop(int(o.get("users", 16)), reqs, float(o.get("think", 0.0)))
-    raise ConfigError(f"unknown workload kind {kind!r}: poisson, gamma, trace or closed")
+    if kind == "diurnal":
+        times = diurnal_arrivals(rng, n, float(o.get("rate", 1.0)), float(o.get("peak", 2.0)),
+                                 float(o.get("period", 86400.0)), float(o.get("phase", 0.0)))
+        return [SimRequest(t, tier, *lengths(), shared_prefix=prefix)
+                for t, tier in zip(times, _tiers(rng, n, o))]
+    if kind == "ledger":
+        if path is None:
+            raise ConfigError("ledger workload needs a path: ledger:LEDGER.db")
+        return read_ledger(path, float(o.get("speed", 1.0)),
+                           int(o["n"]) if "n" in o else None)
+    raise ConfigError(f"unknown workload kind {kind!r}: poisson, gamma, diurnal, trace, "
+                      "ledger or closed")
+
+
+def diurnal_arrivals(rng: random.Random, n: int, rate: float, peak: float, period: float,
+                     phase: float = 0.0) -> list[float]:
+    """`n` arrival times of the cosine rate curve (see the module's note), by thinning."""
+    top = max(rate, peak)
+    if min(rate, peak) < 0 or top <= 0 or period <= 0:
+        raise ConfigError(f"diurnal workload: need rate, peak >= 0 (not both 0) and period "
+                          f"> 0, got rate={rate}, peak={peak}, period={period}")
+    t, out = 0.0, []
+    while len(out) < n:
+        t += rng.expovariate(top)
+        now = rate + (peak - rate) * (1 - math.cos(2 * math.pi * (t - phase) / period)) / 2
+        if rng.random() * top < now:
+            out.append(t)
+    return out
 
 
 def read_trace(path: str, speed: float, limit: int | None, rng: random.Random,
@@ -115,3 +153,36 @@ def read_trace(path: str, speed: float, limit: int | None, rng: random.Random,
     for req, tier in zip(reqs, _tiers(rng, len(reqs), opts)):
         req.tier = tier
     return reqs
+
+
+def read_ledger(path: str, speed: float, limit: int | None) -> list[SimRequest]:
+    """A tierserve ledger's requests in arrival order (finish time less end-to-end time),
+    from the first arrival on; `speed` > 1 replays faster. Each comes back in the tier
+    that served it, with the prompt and output lengths it had (refused and aborted ones
+    too: they arrived, and took what they took)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"cannot read the ledger {path}: no such file")
+    try:
+        db = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            rows = db.execute("SELECT time - COALESCE(e2e_s, 0), tier_served, prompt_tokens, "
+                              "output_tokens FROM requests ORDER BY 1, id").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise ConfigError(f"cannot read the ledger {path}: {exc}") from None
+    rows = rows[:limit] if limit else rows
+    first = rows[0][0] if rows else 0.0
+    return [SimRequest((arrival - first) / speed, tier, max(1, prompt), max(1, output))
+            for arrival, tier, prompt, output in rows]
+
+
+def with_priority_fraction(workload: list[SimRequest] | ClosedLoop, fraction: float,
+                           seed: int = 0) -> list[SimRequest] | ClosedLoop:
+    """The same arrivals and lengths with `fraction` of them (seeded) in the priority
+    tier; former priority requests not drawn become default, other tiers stay."""
+    rng = random.Random(seed)
+    requests = workload.requests if isinstance(workload, ClosedLoop) else workload
+    out = [replace(r, tier="priority" if rng.random() < fraction else
+                   "default" if r.tier == "priority" else r.tier) for r in requests]
+    return replace(workload, requests=out) if isinstance(workload, ClosedLoop) else out

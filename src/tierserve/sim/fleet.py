@@ -1,0 +1,167 @@
+"""Fleets for the simulator: what one replica runs on (`Machine`), how many replicas and
+how tiers map to them (`FleetConfig`), and the router that picks each arrival's replica.
+
+NOTE: routing
+    The router sees only the replicas that take the arriving request's tier (all of them
+    in a shared deployment; in a dedicated one the fast-lane replicas for priority and the
+    others for every other tier) and picks, at the arrival instant:
+      round-robin   the next of them in turn (a counter per set of eligible replicas);
+      least-tokens  the one with the fewest outstanding tokens (prompt tokens not yet
+                    computed plus output tokens not yet generated, over its unfinished
+                    requests), ties to the lowest index.
+    Least-tokens sees the work queued, not the request count: one long prompt weighs as
+    much as many short ones. Neither looks at the request's own length.
+"""
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from tierserve.config import SchedulerConfig
+from tierserve.core.step_time import StepTimeModel
+from tierserve.errors import ConfigError
+from tierserve.sim.loop import Replica, Simulator
+
+ROUTERS = ("round-robin", "least-tokens")
+DEPLOYMENTS = ("shared", "dedicated")
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What one replica runs on: its step time, KV pool and price."""
+
+    hardware: str
+    model: StepTimeModel
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    price_per_hour: float
+    """USD per hour of the replica (all its tensor-parallel devices)."""
+
+
+def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int = 2,
+                block_size: int = 16, num_kv_blocks: int | None = None,
+                price_per_hour: float | None = None, step_time_profile: str | None = None,
+                kv_cache_memory_gb: float = 1.0) -> Machine:
+    """A replica of `shape` (model.shapes.ModelShape) on `hardware` x `tp`: the roofline
+    step-time model (or a calibrated profile, cpu-local) and a KV pool of what the memory
+    holds after the weights (or `num_kv_blocks`)."""
+    from tierserve.metering.prices import machine_price
+    from tierserve.sim.step_time import load_hardware, roofline
+
+    if tp < 1:
+        raise ConfigError(f"tp must be >= 1, got {tp}")
+    if step_time_profile:
+        model, name, mem_gb = StepTimeModel.load(step_time_profile), "cpu-local", None
+    else:
+        hw = load_hardware(hardware)
+        model, name, mem_gb = roofline(shape, hw, dtype_bytes, tp), hw.name, hw.mem_gb * tp
+    kv_block = shape.kv_bytes_per_token(dtype_bytes) * block_size
+    if num_kv_blocks:
+        num_blocks = num_kv_blocks
+    elif mem_gb:
+        free = 0.9 * mem_gb * 2**30 - shape.num_params * dtype_bytes
+        if free < kv_block:
+            raise ConfigError(f"{shape.name} does not fit {name} x{tp}: the weights need "
+                              f"{shape.num_params * dtype_bytes / 2**30:.0f} GiB")
+        num_blocks = int(free // kv_block)
+    else:
+        num_blocks = int(kv_cache_memory_gb * 2**30 // kv_block)
+    return Machine(name, model, num_blocks, block_size,
+                   min(shape.max_position_embeddings, num_blocks * block_size),
+                   machine_price(name, price_per_hour) * tp)
+
+
+def step_time_limit(model: StepTimeModel, slo: dict, override: float | None = None) -> float:
+    """The tiered step-time cap: `override`, else the priority TPOT SLO, else 3x a lone
+    decode step. 0: no cap."""
+    if override is not None:
+        return override
+    return (slo.get("priority") or (None, None))[1] or 3 * model.predict_s([(1, 256)])
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    replicas: int = 1
+    """All replicas, the dedicated ones included."""
+    router: str = "least-tokens"
+    deployment: str = "shared"
+    """`shared`: every replica takes every tier. `dedicated`: `dedicated_replicas` of them
+    take priority requests only (fcfs, `dedicated_max_num_seqs` slots, their idle time
+    held for the fast lane), the others every other tier."""
+    dedicated_replicas: int = 1
+    dedicated_max_num_seqs: int = 1
+
+    def validate(self) -> None:
+        if self.router not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got "
+                              f"{self.router!r}")
+        if self.deployment not in DEPLOYMENTS:
+            raise ConfigError(f"deployment must be one of {', '.join(DEPLOYMENTS)}, got "
+                              f"{self.deployment!r}")
+        if self.replicas < 1:
+            raise ConfigError(f"replicas must be >= 1, got {self.replicas}")
+        if self.deployment == "dedicated" and not 1 <= self.dedicated_replicas < self.replicas:
+            raise ConfigError(f"a dedicated deployment needs 1 <= dedicated replicas < "
+                              f"replicas, got {self.dedicated_replicas} of {self.replicas}")
+        if self.dedicated_max_num_seqs < 1:
+            raise ConfigError("dedicated_max_num_seqs must be >= 1")
+
+    @property
+    def min_replicas(self) -> int:
+        return self.dedicated_replicas + 1 if self.deployment == "dedicated" else 1
+
+    def describe(self) -> str:
+        text = f"replicas={self.replicas} router={self.router} deployment={self.deployment}"
+        if self.deployment == "dedicated":
+            text += (f" (dedicated {self.dedicated_replicas} x max_num_seqs "
+                     f"{self.dedicated_max_num_seqs})")
+        return text
+
+
+class Router:
+    """Picks the replica of each arrival (see the module's note)."""
+
+    def __init__(self, policy: str = "least-tokens"):
+        if policy not in ROUTERS:
+            raise ConfigError(f"router must be one of {', '.join(ROUTERS)}, got {policy!r}")
+        self.policy = policy
+        self._turns: Counter[tuple[int, ...]] = Counter()
+
+    def __call__(self, tier: str, replicas: list[Replica]) -> int:
+        eligible = tuple(i for i, r in enumerate(replicas) if r.serves(tier))
+        if not eligible:
+            raise ConfigError(f"no replica takes {tier} requests")
+        if self.policy == "round-robin":
+            turn = self._turns[eligible]
+            self._turns[eligible] += 1
+            return eligible[turn % len(eligible)]
+        return min(eligible, key=lambda i: (replicas[i].outstanding_tokens, i))
+
+
+def make_simulator(machine: Machine, config: SchedulerConfig, fleet: FleetConfig,
+                   limit_s: float | None, progress=None) -> Simulator:
+    """A simulator of `fleet` replicas of `machine`, each scheduling with `config` (the
+    dedicated ones as the server's dedicated engine does: fcfs, few slots, no cap)."""
+    fleet.validate()
+    m = machine
+    if fleet.replicas == 1:
+        return Simulator(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
+                         m.price_per_hour, step_time_limit_s=limit_s or None,
+                         progress=progress)
+    replicas = []
+    if fleet.deployment == "dedicated":
+        fast = replace(config, max_num_seqs=fleet.dedicated_max_num_seqs, policy="fcfs",
+                       reserved_priority_seqs=0)
+        replicas += [Replica(fast, m.num_blocks, m.block_size, m.max_model_len, m.model,
+                             m.price_per_hour, reserved_fraction=1.0, name=f"fast{i}",
+                             tiers=frozenset({"priority"}))
+                     for i in range(fleet.dedicated_replicas)]
+        others = frozenset({"default", "flex", "batch"})
+        replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
+                             m.price_per_hour, name=f"main{i}", tiers=others)
+                     for i in range(fleet.replicas - fleet.dedicated_replicas)]
+    else:
+        replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
+                             m.price_per_hour, step_time_limit_s=limit_s or None,
+                             name=f"r{i}") for i in range(fleet.replicas)]
+    return Simulator.fleet(replicas, Router(fleet.router), progress)

@@ -1,0 +1,180 @@
+"""Fleets, routers, the new workloads, fast-vs-batch and the planner (sim/fleet.py,
+sim/plan.py): small workloads on a fake step-time model or the datasheet rooflines."""
+
+import json
+
+import pytest
+
+from tierserve.cli import main
+from tierserve.config import SchedulerConfig
+from tierserve.core.request import Request
+from tierserve.core.step_time import StepTimeModel
+from tierserve.errors import ConfigError
+from tierserve.metering.ledger import Ledger, RequestRow
+from tierserve.model.shapes import preset
+from tierserve.sim.fleet import FleetConfig, Machine, Router, make_simulator
+from tierserve.sim.loop import Replica
+from tierserve.sim.plan import Planner
+from tierserve.sim.report import fast_vs_batch, summarize
+from tierserve.sim.workload import SimRequest, make_workload, with_priority_fraction
+
+MODEL = StepTimeModel(fixed_s=0.010, per_seq_s=0.0002, per_token_s=0.0001, per_kv_token_s=1e-6)
+MACHINE = Machine("test", MODEL, 4000, 16, 4096, 3.6)
+
+
+def fleet(workload, replicas=2, router="least-tokens", deployment="shared", max_num_seqs=16,
+          budget=256, limit=0.05):
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    sim = make_simulator(MACHINE, config, FleetConfig(replicas, router, deployment), limit)
+    return sim.run(workload)
+
+
+def test_round_robin_alternates():
+    result = fleet([SimRequest(0.01 * i, "default", 100, 10) for i in range(6)],
+                   router="round-robin")
+    assert [p.request_ids for p in result.replicas] == [["sim-0", "sim-2", "sim-4"],
+                                                        ["sim-1", "sim-3", "sim-5"]]
+
+
+def test_least_tokens_sends_to_the_emptier_replica():
+    replicas = [Replica(SchedulerConfig(), 4000, 16, 4096, MODEL, 1.0, name=f"r{i}")
+                for i in range(2)]
+    route = Router("least-tokens")
+    assert route("default", replicas) == 0  # a tie goes to the lowest index
+    replicas[0].add(Request("big", [5] * 2000, 500))
+    assert replicas[0].outstanding_tokens == 2500
+    assert route("default", replicas) == 1
+    # In a run: a long request first, then short ones, which all avoid its replica.
+    result = fleet([SimRequest(0.0, "default", 3000, 400)]
+                   + [SimRequest(0.001 * (i + 1), "default", 50, 5) for i in range(3)])
+    assert [p.request_ids for p in result.replicas] == [["sim-0"],
+                                                        ["sim-1", "sim-2", "sim-3"]]
+
+
+def test_two_replicas_cut_ttft_and_cost_the_sum_of_both():
+    workload = make_workload("poisson:rate=30,n=200,priority=0,prompt=64-256,output=16-64,"
+                             "seed=2")
+    one = summarize(fleet(workload, replicas=1))
+    result = fleet(workload, replicas=2)
+    two = summarize(result)
+    assert one["utilization"] > 0.95  # one replica is saturated
+    assert two["tiers"]["default"]["ttft_p50_s"] < 0.5 * one["tiers"]["default"]["ttft_p50_s"]
+    parts = [p.meter.machine_cost for p in result.replicas]
+    assert result.meter.machine_cost == pytest.approx(sum(parts), rel=1e-12)
+    assert parts[0] == pytest.approx(result.makespan_s * 3.6 / 3600, rel=1e-6)
+    assert len(two["replicas"]) == 2 and two["requests"] == 200
+    attributed = sum(r.cost.machine_cost for r in result.requests)
+    m = result.meter
+    assert attributed + m.idle_cost + m.reserved_idle_cost == pytest.approx(m.machine_cost)
+
+
+def test_dedicated_deployment_serves_priority_on_its_own_replica():
+    workload = make_workload("poisson:rate=20,n=120,priority=0.3,flex=0.2,prompt=32-128,"
+                             "output=4-32,seed=4")
+    result = fleet(workload, replicas=3, deployment="dedicated")
+    fast, *main_ = result.replicas
+    tier_of = {r.request_id: r.tier for r in result.requests}
+    assert fast.name == "fast0" and fast.request_ids
+    assert all(tier_of[rid] == "priority" for rid in fast.request_ids)
+    assert all(tier_of[rid] != "priority" for p in main_ for rid in p.request_ids)
+    assert fast.meter.idle_cost == 0 and fast.meter.reserved_idle_cost > 0
+    with pytest.raises(ConfigError, match="dedicated replicas < replicas"):
+        fleet(workload, replicas=1, deployment="dedicated")
+
+
+def test_diurnal_arrivals_bunch_near_the_peak():
+    reqs = make_workload("diurnal:rate=0.5,peak=5,period=100,n=1000,seed=1")
+    phase = [r.arrival_s % 100 for r in reqs]
+    near_peak = sum(25 <= p < 75 for p in phase)
+    assert near_peak > 0.7 * len(reqs)  # the peak half holds most (about 82% expected)
+    assert reqs == make_workload("diurnal:rate=0.5,peak=5,period=100,n=1000,seed=1")
+    assert all(a.arrival_s < b.arrival_s for a, b in zip(reqs, reqs[1:]))
+
+
+def test_ledger_replay_reads_what_the_ledger_wrote(tmp_path):
+    path = tmp_path / "ledger.db"
+    ledger = Ledger(path, commit_interval_s=0.01)
+    # (finish time, e2e, tier served, prompt, output): arrivals 100, 100.5, 108
+    for i, (t, e2e, tier, p, o) in enumerate([(105.0, 5.0, "default", 300, 40),
+                                              (101.0, 0.5, "priority", 20, 8),
+                                              (110.0, 2.0, "flex", 64, 0)]):
+        ledger.record(RequestRow(t, f"r{i}", "acme", "m", tier, tier, p, 0, o, 0.1, 0.1, 0.1,
+                                 0.0, 0.0, 0.0, "refused" if o == 0 else "length", e2e_s=e2e))
+    ledger.close()
+    reqs = make_workload(f"ledger:{path}")
+    assert [(r.arrival_s, r.tier, r.prompt_tokens, r.output_tokens) for r in reqs] == [
+        (0.0, "default", 300, 40), (0.5, "priority", 20, 8), (8.0, "flex", 64, 1)]
+    assert [r.arrival_s for r in make_workload(f"ledger:{path},speed=2,n=2")] == [0.0, 0.25]
+    with pytest.raises(ConfigError, match="cannot read the ledger"):
+        make_workload(f"ledger:{tmp_path / 'missing.db'}")
+
+
+def test_fast_vs_batch_cost_falls_with_batch_size():
+    report = fast_vs_batch(MACHINE, [1, 4, 16], prompt_tokens=64, output_tokens=16,
+                           max_num_batched_tokens=256)
+    rows = report["rows"]
+    costs = [r["cost_per_1m_output"] for r in rows]
+    assert costs[0] > costs[1] > costs[2]
+    assert rows[0]["exclusive_over_batched"] == 1.0
+    assert rows[2]["exclusive_over_batched"] == pytest.approx(costs[0] / costs[2])
+    assert rows[2]["throughput_tok_s"] > 4 * rows[0]["throughput_tok_s"]
+
+
+def test_priority_fraction_moves_only_the_drawn_requests():
+    reqs = make_workload("poisson:rate=5,n=400,priority=0.2,flex=0.3,seed=1")
+    moved = with_priority_fraction(reqs, 0.5, seed=3)
+    assert 0.4 < sum(r.tier == "priority" for r in moved) / 400 < 0.6
+    assert all(m.tier in ("priority", r.tier if r.tier != "priority" else "default")
+               and m.arrival_s == r.arrival_s for r, m in zip(reqs, moved))
+    assert {r.tier for r in with_priority_fraction(reqs, 0.0)} == {"default", "flex"}
+
+
+PLAN_WORKLOAD = "poisson:rate=40,n=80,priority=0.2,prompt=64-256,output=8-32,seed=1"
+PLAN_SLO = {"priority": (0.2, 0.05), "default": (1.0, 0.1)}
+
+
+def test_plan_finds_cheapest_configurations_that_meet_the_slos():
+    planner = Planner(preset("llama-3-8b"), PLAN_SLO, attainment=0.9)
+    workload = make_workload(PLAN_WORKLOAD)
+    fits = planner.search(workload, ["l4", "a100-80gb", "h100-sxm"], ["shared", "dedicated"],
+                          [4, 16], [2048], max_replicas=3)
+    assert len(fits) >= 3 and all(fits[0].cost_per_hour <= f.cost_per_hour for f in fits)
+    assert {f.replicas for f in fits} >= {1, 2}
+    for fit in fits:
+        summary = planner.simulate(fit.cell, fit.replicas, workload, PLAN_SLO)
+        assert all(summary["tiers"][t]["slo_attainment"] >= 0.9 for t in PLAN_SLO)
+        if fit.replicas > (2 if fit.cell.deployment == "dedicated" else 1):  # the fewest
+            fewer = planner.simulate(fit.cell, fit.replicas - 1, workload, PLAN_SLO)
+            assert min(fewer["tiers"][t]["slo_attainment"] for t in PLAN_SLO) < 0.9
+    curve = planner.fast_mode_curve(fits[0], workload, [0.0, 1.0], [1.0], max_replicas=3)
+    assert [p["priority_fraction"] for p in curve["by_priority_fraction"]] == [0.0, 1.0]
+    assert curve["by_priority_tpot"][0]["replicas"] == fits[0].replicas
+
+
+def test_plan_says_so_when_nothing_meets_the_slos():
+    planner = Planner(preset("llama-3-8b"), {"priority": (0.001, None)})
+    with pytest.raises(ConfigError, match="no configuration meets every SLO") as info:
+        planner.search(make_workload(PLAN_WORKLOAD), ["l4"], ["shared"], [16], [2048],
+                       max_replicas=2)
+    assert "\n" not in str(info.value) and "closest: l4 shared" in str(info.value)
+
+
+def test_plan_and_sim_command_lines(capsys):
+    code = main(["plan", "--workload", PLAN_WORKLOAD, "--slo", "priority=0.2,0.05",
+                 "--slo", "default=1,0.1", "--hardware", "h100-sxm", "--max-num-seqs", "16",
+                 "--max-num-batched-tokens", "2048", "--deployments", "shared",
+                 "--max-replicas", "2", "--priority-fractions", "0,1", "--tpot-scales", "1",
+                 "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits"][0]["hardware"] == "h100-sxm"
+    assert len(out["fast_mode"]["by_priority_fraction"]) == 2
+    code = main(["sim", "--workload", "poisson:rate=10,n=40,priority=0.3,output=4-16",
+                 "--policy", "dedicated", "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and [p["name"] for p in out["replicas"]] == ["fast0", "main0"]
+    assert main(["plan", "--slo", "priority=0.001,", "--hardware", "l4", "--max-num-seqs",
+                 "16", "--max-num-batched-tokens", "2048", "--deployments", "shared",
+                 "--max-replicas", "1", "--workload", PLAN_WORKLOAD]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith("error: no configuration meets every SLO")
+    assert "Traceback" not in err
