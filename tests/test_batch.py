@@ -249,3 +249,89 @@ def test_priority_requests_jump_a_large_batch(server):
     assert {t for t, n in preempted.items() if n} == {"batch"}
     batch = wait_final(client, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == 48
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, root) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port),
+         "--served-model-name", MODEL, "--data-dir", str(root / "data"),
+         "--ledger", str(root / "ledger.db"), "--max-num-seqs", "4",
+         "--batch-max-in-flight", "4", "--priority-step-time-s", "0"],
+        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "ab"))
+    deadline = time.time() + 120
+    while True:
+        assert proc.poll() is None, (root / "server.log").read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline, "server did not become ready"
+        time.sleep(0.2)
+
+
+def test_sigkill_mid_batch_then_restart_runs_every_line_exactly_once(tmp_path):
+    port = free_port()
+    proc = start_server(port, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               max_retries=0)
+        lines = [request_line(i, max_tokens=12, ignore_eos=True) for i in range(30)]
+        f = client.files.create(file=("k.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        deadline = time.time() + 120
+        while client.batches.retrieve(batch.id).request_counts.completed < 6:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        done_at_kill = sum(1 for _ in connect_lines(tmp_path, batch.id))
+        assert 6 <= done_at_kill < 30  # killed mid-batch, lines in flight
+        proc = start_server(port, tmp_path)
+        batch = wait_final(client, batch.id)
+        assert batch.status == "completed"
+        assert (batch.request_counts.completed, batch.request_counts.total) == (30, 30)
+        out = read_lines(client, batch.output_file_id)
+        ids = [x["custom_id"] for x in out]
+        assert len(ids) == 30 and set(ids) == {x["custom_id"] for x in lines}
+        assert all(x["response"]["status_code"] == 200 for x in out)
+        assert batch.error_file_id is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def connect_lines(root, batch_id):
+    from tierserve.batch.store import MIGRATIONS
+    db = connect(root / "data" / "batches.db", MIGRATIONS)
+    return db.execute("SELECT idx FROM lines WHERE batch_id = ? AND state != 'pending'",
+                      (batch_id,)).fetchall()
+
+
+def test_batch_cli_submit_wait_status_results(server, tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([request_line(i, max_tokens=4) for i in range(5)]))
+    base = ["--base-url", server.url + "/v1", "--api-key", "sk-b"]
+    assert main(["batch", "submit", str(path), "--wait", "--poll-s", "0.2", *base]) == 0
+    out = capsys.readouterr().out
+    batch_id = out.splitlines()[0]
+    assert batch_id.startswith("batch_") and "completed: 5 completed, 0 failed" in out
+    assert main(["batch", "status", batch_id, "--format", "json", *base]) == 0
+    assert json.loads(capsys.readouterr().out)["request_counts"]["completed"] == 5
+    results = tmp_path / "out.jsonl"
+    assert main(["batch", "results", batch_id, "-o", str(results), *base]) == 0
+    assert len(results.read_text().splitlines()) == 5
+    # errors: one line each, exit 1, nothing lost
+    assert main(["batch", "status", "batch_nope", *base]) == 1
+    assert "HTTP 404" in capsys.readouterr().err
+    assert main(["batch", "submit", str(tmp_path / "missing.jsonl"), *base]) == 1
+    assert "no such file" in capsys.readouterr().err
+    assert main(["batch", "status", "x", "--base-url", f"http://127.0.0.1:{free_port()}/v1"]) == 1
+    assert "cannot reach" in capsys.readouterr().err

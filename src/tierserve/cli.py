@@ -283,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "dedicated fast mode vs batched vs a mix")
     bench_metering.add_args(bfast)
     bfast.set_defaults(func=lambda a: bench_metering.run_fastmode(a) or 0)
+    from tierserve.bench import batch as bench_batch
+    bbat = bench_sub.add_parser("batch", help="batch throughput in idle capacity vs the offline "
+                                              "engine; priority TTFT with and without a batch")
+    bench_batch.add_args(bbat)
+    add_engine_args(bbat)
+    bbat.set_defaults(func=lambda a: bench_batch.run(a) or 0)
     from tierserve.bench import sim_accuracy
     bacc = bench_sub.add_parser("sim-accuracy", help="the simulator against the real engine "
                                                      "on held-out open-loop workloads")

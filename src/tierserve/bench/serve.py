@@ -41,9 +41,10 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-async def one_request(client, url, model, prompt, output_len):
+async def one_request(client, url, model, prompt, output_len, tier: str | None = None):
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **({"service_tier": tier} if tier else {})}
     start = time.perf_counter()
     chunk_times, tokens = [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -80,7 +81,8 @@ async def run_level(url, model, prompts, output_len, concurrency):
     return tokens / wall, ttfts, itls
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    """`tierserve serve` on a free loopback port with args' engine flags (+ `extra`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -90,6 +92,7 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     import httpx
