@@ -294,3 +294,27 @@ def test_a_step_starting_priority_carries_no_lower_tier_work_every_other_step_at
                                if x.request_id in s.requests} | {P})
     assert tiers_per_step[0] == {P} and D in tiers_per_step[1]
     assert tiers_per_step[2] == {P} and D in tiers_per_step[3]
+
+
+def test_batch_prefill_is_spread_over_steps_and_other_tiers_are_not():
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=64, batch_prefill_tokens=8,
+                       num_blocks=256)
+    batch = make_requests(3, prompt_len=20, max_tokens=2, tier=Tier.BATCH)
+    default = make_requests(1, prompt_len=40, max_tokens=2, start=3, tier=Tier.DEFAULT)
+    for r in batch + default:
+        s.add_request(r)
+    steps = run_to_completion(s)
+    batch_ids = {r.request_id for r in batch}
+    per_step = [sum(max(0, min(x.start_pos + len(x.token_ids), 20) - x.start_pos)
+                    for x in out.seqs if x.request_id in batch_ids)  # prompt positions
+                for out in steps]
+    assert max(per_step) == 8 and sum(per_step) == 60  # every prompt token, 8 at a time
+    first = steps[0]
+    assert any(x.request_id == default[0].request_id and len(x.token_ids) == 40
+               for x in first.seqs)  # the default prompt in one step
+    assert all(r.is_finished for r in batch + default)
+    unlimited = make_scheduler(policy="tiered", max_num_batched_tokens=64,
+                               batch_prefill_tokens=0, num_blocks=256)
+    for r in make_requests(3, prompt_len=20, max_tokens=2, tier=Tier.BATCH):
+        unlimited.add_request(r)
+    assert unlimited.schedule().num_scheduled_tokens == 60

@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a flex request not started after this long is refused (429)")
     t.add_argument("--priority-guard-s", type=float, default=10.0,
                    help="keep the step-time cap this long after the last priority request")
+    t.add_argument("--batch-prefill-tokens", type=int, default=128,
+                   help="most prompt tokens of batch-tier requests per step (0: no limit)")
     t.add_argument("--deployment", default="shared", choices=["shared", "dedicated"],
                    help="shared (default): one engine for all tiers; dedicated: priority "
                         "requests on an engine of their own beside one for the rest (serve)")
@@ -80,6 +82,7 @@ def engine_config_from_args(args):
         reserved_priority_blocks=args.reserved_priority_blocks,
         default_aging_s=args.default_aging_s, flex_max_wait_s=args.flex_max_wait_s,
         priority_guard_s=args.priority_guard_s, deployment=args.deployment,
+        batch_prefill_tokens=args.batch_prefill_tokens,
         dedicated_max_num_seqs=args.dedicated_max_num_seqs)
 
 

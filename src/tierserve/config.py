@@ -105,6 +105,11 @@ class SchedulerConfig:
     longer preempted by them), so it never starves."""
     flex_max_wait_s: float = 60.0
     """tiered: a flex request not started after this long is refused (HTTP 429)."""
+    batch_prefill_tokens: int = 128
+    """tiered: most prompt tokens of batch-tier requests computed in one step (0: only the
+    token budget). Batch prefill then never makes a step long, so a priority request
+    that arrives while the cap is off waits little for the step in flight; it rides along
+    with the decodes, which set the pace of a batch anyway."""
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -118,7 +123,7 @@ class SchedulerConfig:
             raise ConfigError("reserved_priority_seqs must be in [0, max_num_seqs), got "
                               f"{self.reserved_priority_seqs}")
         for name in ("reserved_priority_blocks", "default_aging_s", "flex_max_wait_s",
-                     "priority_guard_s"):
+                     "priority_guard_s", "batch_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.priority_step_time_s is not None and self.priority_step_time_s < 0:

@@ -11,9 +11,7 @@ LLMEngine in-process, and prints the HTTP/offline ratio.
 import argparse
 import asyncio
 import json
-import os
 import socket
-import statistics
 import subprocess
 import sys
 import time

@@ -35,9 +35,11 @@ NOTE: the step-time cap (tiered)
     a stream of priority arrivals slows lower tiers by half at most. Other sequences are
     added in order while they fit; a prefill chunk is shortened to fit after setting aside
     the time of every decode not yet placed, so lower tiers' prefill is cut first and
-    their decodes last.
+    their decodes last. Without the cap, batch-tier prompts still get at most
+    `batch_prefill_tokens` per step: a batch keeps every slot busy, and a priority request
+    arriving then waits for one step of decodes, not a long prefill.
 
-Why one file of about 470 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 480 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
 the next request may take), so they share the `_Step` state and read best side by side.
 The policies (core/policy.py) and the step-time model (core/step_time.py) live apart.
@@ -113,6 +115,8 @@ class _Step:
     """Predicted time of running decodes not yet placed (set aside under the cap)."""
     priority_starting: bool = False
     """A priority request waits for its first token: lower tiers sit this step out."""
+    batch_prefill: int = 0
+    """Prompt tokens batch-tier requests may still compute this step."""
     scheduled: dict = field(default_factory=dict)
     """Request -> (num_new_tokens, predicted seconds), in scheduling order."""
     preempted: list = field(default_factory=list)
@@ -188,6 +192,8 @@ class Scheduler:
         if self.policy.tiered:
             self._age_default(now)
         step = _Step(self.config.max_num_batched_tokens, self._time_limit_s(now))
+        step.batch_prefill = self.config.batch_prefill_tokens if self.policy.tiered else 0
+        step.batch_prefill = step.batch_prefill or step.budget
         if step.time_limit_s is not None:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = sum(self._decode_cost_s(r) for r in self.running
@@ -270,6 +276,9 @@ class Scheduler:
         """How many of `want` tokens, computed from position `start` (default: what is
         computed), the request gets this step: the budget, then the cap."""
         num_new = min(want, step.budget)
+        if request.tier == Tier.BATCH and self.config.enable_chunked_prefill \
+                and not self._is_decoding(request):
+            num_new = min(num_new, step.batch_prefill)
         if step.time_limit_s is None or num_new <= 0:
             return max(num_new, 0)
         model = self.step_time_model
@@ -296,6 +305,8 @@ class Scheduler:
                 num_new, request.num_computed_tokens + num_new)
         step.scheduled[request] = (num_new, cost)
         step.budget -= num_new
+        if request.tier == Tier.BATCH and not self._is_decoding(request):
+            step.batch_prefill -= num_new
         step.time_s += cost
 
     def _take_slot(self, request: Request, step: _Step) -> bool:
