@@ -104,8 +104,11 @@ class BlockManager:
         False, changing nothing, when the free pool cannot supply the blocks.
         """
         num_covered = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_required = self.blocks_needed(num_covered + num_new_tokens)
-        num_new_blocks = max(num_required - len(request.block_table) - len(computed_blocks), 0)
+        num_required = -(-(num_covered + num_new_tokens) // self.block_size)
+        num_new_blocks = num_required - len(request.block_table) - len(computed_blocks)
+        if num_new_blocks <= 0 and not computed_blocks:
+            return True  # the common decode step: the last block has room
+        num_new_blocks = max(num_new_blocks, 0)
         num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
         num_taken = num_new_blocks + num_revived
         if num_taken and num_taken > self.num_free_blocks - reserve:

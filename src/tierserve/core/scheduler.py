@@ -196,8 +196,7 @@ class Scheduler:
         step.batch_prefill = step.batch_prefill or step.budget
         if step.time_limit_s is not None:
             step.time_s = self.step_time_model.fixed_s
-            step.pending_decode_s = sum(self._decode_cost_s(r) for r in self.running
-                                        if self._is_decoding(r))
+            step.pending_decode_s = self._pending_decode_s()
             starting = self._num_priority > sum(
                 r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running)
             # Every other step at most, so lower tiers keep at least half their pace.
@@ -276,25 +275,25 @@ class Scheduler:
         """How many of `want` tokens, computed from position `start` (default: what is
         computed), the request gets this step: the budget, then the cap."""
         num_new = min(want, step.budget)
-        if request.tier == Tier.BATCH and self.config.enable_chunked_prefill \
-                and not self._is_decoding(request):
+        decoding = self._is_decoding(request)
+        if request.tier == Tier.BATCH and not decoding and self.config.enable_chunked_prefill:
             num_new = min(num_new, step.batch_prefill)
         if step.time_limit_s is None or num_new <= 0:
             return max(num_new, 0)
         model = self.step_time_model
         start = request.num_computed_tokens if start is None else start
-        if self._is_decoding(request):
+        if decoding:
             step.pending_decode_s -= self._decode_cost_s(request)
         if request.tier == Tier.PRIORITY:
             return num_new
         if step.priority_starting:
             return 0  # the step that gives a priority request its first token stays short
         room = step.time_limit_s - step.time_s
-        if not self._is_decoding(request):
+        if not decoding:
             room -= step.pending_decode_s  # cut prefill before anyone's decode
         if model.seq_cost_s(num_new, start + num_new) <= room + EPS_S:
             return num_new
-        if self._is_decoding(request) or not self.config.enable_chunked_prefill:
+        if decoding or not self.config.enable_chunked_prefill:
             return 0
         return model.max_tokens_within(room, start, num_new)
 
@@ -368,9 +367,25 @@ class Scheduler:
         self._push_waiting(request)
         step.preempted.append(request)
 
-    def _is_decoding(self, request: Request) -> bool:
-        return request.num_output_tokens > 0 \
-            and request.num_tokens - request.num_computed_tokens == 1
+    @staticmethod
+    def _is_decoding(request: Request) -> bool:
+        out = request.output_token_ids  # (hot: no properties)
+        return bool(out) and \
+            len(request.prompt_token_ids) + len(out) - request.num_computed_tokens == 1
+
+    def _pending_decode_s(self) -> float:
+        """Predicted time of every running decode: the sum of their `_decode_cost_s`,
+        in closed form (hot: once per capped step)."""
+        num, context = 0, 0
+        for r in self.running:
+            out = r.output_token_ids
+            if out:
+                total = len(r.prompt_token_ids) + len(out)
+                if total - r.num_computed_tokens == 1:
+                    num += 1
+                    context += total
+        m = self.step_time_model
+        return num * (m.per_seq_s + m.per_token_s) + m.per_kv_token_s * context
 
     def _decode_cost_s(self, request: Request) -> float:
         return self.step_time_model.seq_cost_s(1, request.num_tokens)
@@ -406,15 +421,16 @@ class Scheduler:
     def _describe(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
         end = start + num_new
+        num_output = len(request.output_token_ids)
+        sample = end == len(request.prompt_token_ids) + num_output
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.tokens_slice(start, end),
             start_pos=start,
             block_table=list(request.block_table),
-            sample=end == request.num_tokens,
-            is_decode=num_new == 1 and end == request.num_tokens
-            and request.num_output_tokens > 0,
-            num_output_tokens=request.num_output_tokens)
+            sample=sample,
+            is_decode=num_new == 1 and sample and num_output > 0,
+            num_output_tokens=num_output)
 
     # ---------------------------------------------------------------- update
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
@@ -443,15 +459,16 @@ class Scheduler:
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]
-        if request.num_output_tokens >= request.min_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= request.min_tokens:
             if token == request.eos_token_id and not request.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in request.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens:
+        if num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -237,7 +237,8 @@ class Simulator:
             return
         replica.stalled = False
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in out.seqs]
-        duration = replica.model.predict_s(seqs)
+        duration = out.predicted_s if out.predicted_s is not None else \
+            replica.model.predict_s(seqs)  # the scheduler's prediction, if it made one
         for s in out.seqs:
             stats = self._stats[s.request_id]
             if stats.first_scheduled_time is None:
