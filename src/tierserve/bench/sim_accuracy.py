@@ -77,7 +77,8 @@ def run(args) -> None:
             parts.append(f"{tier}: " + " ".join(cells))
         print(f"sim_accuracy rate={rate:g} requests={args.requests} max_num_seqs="
               f"{args.max_num_seqs} policy={sc.policy} (engine/sim, abs error) | "
-              + " | ".join(parts), flush=True)
+              + " | ".join(parts) + f" | engine's measured/predicted step ratio "
+              f"{engine.scheduler.step_time_ratio:.2f}", flush=True)
     print(f"sim_accuracy median absolute error over tiers x (TTFT p50, p90, TPOT p50): "
           f"{statistics.median(errors):.0%} (target <= 10%)", flush=True)
 
