@@ -178,3 +178,21 @@ def test_plan_and_sim_command_lines(capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("error: no configuration meets every SLO")
     assert "Traceback" not in err
+
+
+def test_model_shapes_from_a_preset_a_model_file_or_flags():
+    from tierserve.errors import ConfigError
+    from tierserve.model.loader import default_model_path
+    from tierserve.model.shapes import PRESETS, resolve
+
+    assert resolve("llama-3-8b") is PRESETS["llama-3-8b"]
+    custom = resolve("layers=32,hidden=4096,heads=32,kv_heads=8,intermediate=14336,"
+                     "vocab=128256")
+    assert custom.num_params == PRESETS["llama-3-8b"].num_params
+    from_file = resolve(str(default_model_path()))  # the GGUF's metadata, no weights
+    smol = PRESETS["smollm2-135m"]
+    assert (from_file.num_layers, from_file.hidden_size, from_file.num_kv_heads) == \
+        (smol.num_layers, smol.hidden_size, smol.num_kv_heads)
+    for bad in ("layers=2,hidden=x", "layers=2", "no-such-model"):
+        with pytest.raises(ConfigError):
+            resolve(bad)

@@ -65,13 +65,13 @@ def resolve_policy(policy: str, deployment: str | None) -> tuple[str, str]:
 
 def cmd_sim(args) -> int:
     from tierserve.config import SchedulerConfig
-    from tierserve.model.shapes import preset
+    from tierserve.model.shapes import resolve
     from tierserve.sim.fleet import FleetConfig, machine_for, make_simulator, step_time_limit
     from tierserve.sim.report import plot, render, summarize
     from tierserve.sim.workload import make_workload
 
     slo = parse_slo(args.slo)
-    machine = machine_for(preset(args.model), args.hardware, args.tp, args.dtype_bytes,
+    machine = machine_for(resolve(args.model), args.hardware, args.tp, args.dtype_bytes,
                           args.block_size, args.num_kv_blocks, args.machine_price_per_hour,
                           args.step_time_profile, args.kv_cache_memory_gb)
     policy, deployment = resolve_policy(args.policy, args.deployment)
@@ -131,12 +131,12 @@ def _fast_vs_batch(args, machine, policy: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from tierserve.model.shapes import preset
+    from tierserve.model.shapes import resolve
     from tierserve.sim.plan import Planner, render
     from tierserve.sim.workload import make_workload
 
     slo = parse_slo(args.slo)
-    planner = Planner(preset(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
+    planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
                       args.block_size, args.router, args.dedicated_replicas,
                       args.dedicated_max_num_seqs)
     hardware = parse_list(args.hardware, str, "--hardware")
@@ -173,7 +173,10 @@ def cmd_plan(args) -> int:
 # ------------------------------------------------------------------ parsers
 def _add_model_args(p) -> None:
     p.add_argument("--model", default="llama-3-8b",
-                   help="model shape preset (default llama-3-8b)")
+                   help="model shape: a preset (llama-3-8b, the default; llama-3-70b, "
+                        "llama-3.2-1b, qwen2.5-7b, smollm2-135m), a GGUF file or HF folder "
+                        "(its config), or layers=32,hidden=4096,heads=32,kv_heads=8,"
+                        "intermediate=14336,vocab=128256")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)
