@@ -39,7 +39,7 @@ NOTE: the step-time cap (tiered)
     `batch_prefill_tokens` per step: a batch keeps every slot busy, and a priority request
     arriving then waits for one step of decodes, not a long prefill.
 
-Why one file of about 480 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 500 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
 the next request may take), so they share the `_Step` state and read best side by side.
 The policies (core/policy.py) and the step-time model (core/step_time.py) live apart.
