@@ -155,7 +155,7 @@ def cmd_calibrate(args) -> int:
     args.priority_step_time_s = 0  # the engine must not calibrate itself first
     engine = LLMEngine(engine_config_from_args(args),
                        progress=lambda line: print(line, file=sys.stderr))
-    model = calibrate(engine, repeats=args.repeats)
+    model = calibrate(engine, repeats=args.repeats, whole_step=args.whole_step)
     model.save(args.out, model=args.model or "SmolLM2-135M-Instruct", dtype=args.dtype,
                device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
     print(f"fixed {model.fixed_s * 1e3:.2f} ms/step, {model.per_seq_s * 1e3:.3f} ms/seq, "
@@ -255,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default="step_time.json", help="file to write "
                                                              "(default step_time.json)")
     cal.add_argument("--repeats", type=int, default=2, help="runs of the calibration grid")
+    cal.add_argument("--whole-step", action="store_true",
+                     help="time whole engine steps (scheduling and outputs too), for "
+                          "`tierserve sim --step-time-profile`; default: the forward pass, "
+                          "as the engine's step-time cap uses")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

@@ -1,9 +1,11 @@
 """The simulator against the real engine on this machine.
 
-The engine calibrates its step-time model at startup (the grid in engine/calibrate.py);
-then held-out open-loop workloads (other rates, a tier mix, other lengths than the grid)
+The engine calibrates its step-time model at startup (the grid in engine/calibrate.py).
+The simulator plans with that model, as the engine does, and takes its step durations
+from one fitted on the same grid to whole engine steps (so its scheduler learns the
+measured/predicted ratio the engine learns); then held-out open-loop workloads (other rates, a tier mix, other lengths than the grid)
 run through the engine and, with the same arrivals, lengths and tiers, through the
-simulator using that calibrated model. Per tier: TTFT p50/p90 and TPOT p50 of both, and
+simulator using its model. Per tier: TTFT p50/p90 and TPOT p50 of both, and
 total throughput; one line per rate with the absolute percentage errors.
 """
 
@@ -41,8 +43,11 @@ def run(args) -> None:
     from tierserve.sim.loop import Simulator
     from tierserve.sim.workload import SimRequest
 
+    from tierserve.engine.calibrate import calibrate
+
     engine = LLMEngine(engine_config(max_num_seqs=args.max_num_seqs))
-    model = engine.scheduler.step_time_model
+    whole = calibrate(engine, whole_step=True)  # the simulator's steps: whole engine steps
+    model = engine.scheduler.step_time_model  # what the engine plans with
     sc = engine.config.scheduler
     errors = []
     for rate in [float(r) for r in args.rates.split(",")]:
@@ -55,8 +60,9 @@ def run(args) -> None:
                                         default_aging_s=sc.default_aging_s,
                                         flex_max_wait_s=sc.flex_max_wait_s),
                         engine.block_manager.num_blocks, engine.block_manager.block_size,
-                        engine.max_model_len, model, 0.1,
-                        step_time_limit_s=engine.scheduler.step_time_limit_s)
+                        engine.max_model_len, whole, 0.1,
+                        step_time_limit_s=engine.scheduler.step_time_limit_s,
+                        plan_model=model)
         result = sim.run([SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
                                      shared_prefix=len(SYSTEM_PROMPT)) for a in arrivals])
         simulated = [{"tier": r.tier, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,

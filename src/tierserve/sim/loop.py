@@ -78,18 +78,25 @@ class Replica:
                  max_model_len: int, model: StepTimeModel, price_per_hour: float,
                  step_time_limit_s: float | None = None, enable_prefix_caching: bool = True,
                  reserved_fraction: float = 0.0, name: str = "r0",
-                 tiers: frozenset[str] | None = None):
+                 tiers: frozenset[str] | None = None, plan_model: StepTimeModel | None = None):
+        """`model` gives each step's duration; `plan_model` (default: `model`) is what the
+        scheduler plans with and the cost meter splits by, as an engine's calibration is.
+        Given apart (an engine's forward-pass model beside a whole-step one), the
+        scheduler learns their measured/predicted ratio as the engine's does."""
         config.validate()
+        plan_model = plan_model or model
         self.name = name
         self.tiers = tiers
         """Tiers a router may send here; None: every tier."""
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
                                           evict_by_tier=config.policy == "tiered")
         self.scheduler = Scheduler(config, self.block_manager, max_model_len,
-                                   step_time_model=model, step_time_limit_s=step_time_limit_s)
+                                   step_time_model=plan_model,
+                                   step_time_limit_s=step_time_limit_s)
         self.model = model
+        self.same_model = plan_model is model
         self.max_model_len = max_model_len
-        self.meter = CostMeter(price_per_hour, work_model=model,
+        self.meter = CostMeter(price_per_hour, work_model=plan_model,
                                reserved_fraction=reserved_fraction)
         self.busy = False
         self.stalled = False
@@ -130,10 +137,11 @@ class Simulator:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, model: StepTimeModel, price_per_hour: float,
                  step_time_limit_s: float | None = None, enable_prefix_caching: bool = True,
-                 reserved_fraction: float = 0.0, progress=None):
+                 reserved_fraction: float = 0.0, progress=None,
+                 plan_model: StepTimeModel | None = None):
         self._setup([Replica(config, num_blocks, block_size, max_model_len, model,
                              price_per_hour, step_time_limit_s, enable_prefix_caching,
-                             reserved_fraction)], None, progress)
+                             reserved_fraction, plan_model=plan_model)], None, progress)
 
     @classmethod
     def fleet(cls, replicas: list[Replica], router, progress=None) -> "Simulator":
@@ -237,8 +245,12 @@ class Simulator:
             return
         replica.stalled = False
         seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in out.seqs]
-        duration = out.predicted_s if out.predicted_s is not None else \
-            replica.model.predict_s(seqs)  # the scheduler's prediction, if it made one
+        if replica.same_model and out.predicted_s is not None:
+            duration = out.predicted_s  # the scheduler's own prediction
+        else:
+            duration = replica.model.predict_s(seqs)
+            if out.predicted_s is not None:  # as the engine does after each step
+                replica.scheduler.observe_step_time(out.predicted_s, duration)
         for s in out.seqs:
             stats = self._stats[s.request_id]
             if stats.first_scheduled_time is None:
