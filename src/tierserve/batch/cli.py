@@ -7,9 +7,8 @@ import os
 import sys
 import time
 
+from tierserve.batch.store import FINAL
 from tierserve.errors import TierserveError
-
-FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 class Client:

@@ -23,16 +23,11 @@ import uuid
 from pathlib import Path
 
 from tierserve.errors import NotFoundError
-from tierserve.metering.ledger import connect
+from tierserve.metering.ledger import Migrations, connect
 
-MIGRATIONS = []
+MIGRATIONS = migration = Migrations()
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
-
-
-def migration(fn):
-    MIGRATIONS.append(fn)
-    return fn
 
 
 @migration

@@ -23,12 +23,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-MIGRATIONS = []
+class Migrations(list):
+    """An append-only list of schema steps; calling it on a function (as a decorator)
+    appends that function. Each database has its own (the batch store has another)."""
+
+    def __call__(self, fn):
+        self.append(fn)
+        return fn
 
 
-def migration(fn):
-    MIGRATIONS.append(fn)
-    return fn
+MIGRATIONS = migration = Migrations()
 
 
 @migration
