@@ -21,7 +21,6 @@ NOTE: restarts
 """
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import deque
@@ -51,8 +50,14 @@ class BatchRunner:
         try:
             while True:
                 self._step()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+                # Woken by a line, an API call, or after 1 s (expiry). Not wait_for: on
+                # Python 3.11 it can swallow a cancel that lands as the wait ends, and
+                # the server's shutdown would then wait on this loop forever.
+                timer = asyncio.get_running_loop().call_later(1.0, self._wake.set)
+                try:
+                    await self._wake.wait()
+                finally:
+                    timer.cancel()
                 self._wake.clear()
         finally:
             tasks = list(self._in_flight.values())
