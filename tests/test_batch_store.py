@@ -1,14 +1,32 @@
 """The batch store and runner without a model: a fake `execute`, a controllable clock.
-Exactly-once recording, line order, expiry, and resuming after the runner is stopped."""
+Exactly-once recording, line order, expiry, and resuming after the runner is stopped; each
+on SQLite (batches.db in the data directory) and on PostgreSQL."""
 
 import asyncio
 import json
+import threading
 
 import pytest
+from pg import dialect, pg_database, pg_server  # noqa: F401 (fixtures)
 
 from tierserve.batch.runner import BatchRunner
 from tierserve.batch.store import BatchStore
 from tierserve.batch.validate import parse_requests
+
+
+@pytest.fixture
+def open_store(dialect, tmp_path, request):  # noqa: F811
+    """Opens a store on the test's data directory: its metadata in SQLite there, or in a
+    fresh PostgreSQL database (the same one on every call: a restart, another gateway)."""
+    database = None if dialect == "sqlite" else request.getfixturevalue("pg_database")
+    stores = []
+
+    def open_():
+        stores.append(BatchStore(tmp_path, database))
+        return stores[-1]
+    yield open_
+    for store in stores:
+        store.close()
 
 
 def make_batch(store: BatchStore, n: int, window_s: int = 3600) -> str:
@@ -42,8 +60,8 @@ async def run_until_idle(runner: BatchRunner, timeout_s: float = 10.0) -> None:
     await asyncio.gather(task, return_exceptions=True)
 
 
-def test_a_line_is_recorded_once(tmp_path):
-    store = BatchStore(tmp_path)
+def test_a_line_is_recorded_once(open_store):
+    store = open_store()
     bid = make_batch(store, 2)
     assert store.record(bid, 0, True, {"custom_id": "c0"}, {"completion_tokens": 5})
     assert not store.record(bid, 0, False, {"custom_id": "c0"}, {"completion_tokens": 5})
@@ -52,8 +70,8 @@ def test_a_line_is_recorded_once(tmp_path):
     assert batch["usage"]["output_tokens"] == 5 and store.pending(bid) == [1]
 
 
-def test_runner_completes_batches_in_line_order_with_totals(tmp_path):
-    store = BatchStore(tmp_path)
+def test_runner_completes_batches_in_line_order_with_totals(open_store):
+    store = open_store()
     bid = make_batch(store, 12)
     engine = FakeEngine()
     asyncio.run(run_until_idle(BatchRunner(store, engine, max_in_flight=4)))
@@ -68,9 +86,9 @@ def test_runner_completes_batches_in_line_order_with_totals(tmp_path):
         f"c{i}" for i in range(12))
 
 
-def test_expiry_keeps_running_lines_and_skips_the_rest(tmp_path):
+def test_expiry_keeps_running_lines_and_skips_the_rest(open_store):
     now = [1000.0]
-    store = BatchStore(tmp_path)
+    store = open_store()
     bid = make_batch(store, 20)
     store.db.execute("UPDATE batches SET expires_at = ?", (2000,))
     store.db.commit()
@@ -99,8 +117,8 @@ def test_expiry_keeps_running_lines_and_skips_the_rest(tmp_path):
     assert len(errors) == counts["failed"]
 
 
-def test_a_stopped_runner_leaves_lines_pending_and_the_next_one_finishes_them(tmp_path):
-    store = BatchStore(tmp_path)
+def test_a_stopped_runner_leaves_lines_pending_and_the_next_one_finishes_them(open_store):
+    store = open_store()
     bid = make_batch(store, 10)
 
     async def first():
@@ -115,7 +133,7 @@ def test_a_stopped_runner_leaves_lines_pending_and_the_next_one_finishes_them(tm
     done_before = store.get_batch("t", bid)["request_counts"]["completed"]
     assert 3 <= done_before < 10 and len(store.pending(bid)) == 10 - done_before
     store.close()
-    store = BatchStore(tmp_path)  # a restart: a new store on the same files
+    store = open_store()  # a restart: a new store on the same files and database
     asyncio.run(run_until_idle(BatchRunner(store, FakeEngine(), max_in_flight=2)))
     batch = store.get_batch("t", bid)
     out = [json.loads(x)["custom_id"]
@@ -123,8 +141,8 @@ def test_a_stopped_runner_leaves_lines_pending_and_the_next_one_finishes_them(tm
     assert batch["status"] == "completed" and out == [f"c{i}" for i in range(10)]
 
 
-def test_failed_lines_go_to_the_error_file(tmp_path):
-    store = BatchStore(tmp_path)
+def test_failed_lines_go_to_the_error_file(open_store):
+    store = open_store()
     requests = [("a", {"prompt": "x"}), ("b", {"prompt": "y", "bad": True})]
     bid = store.create_batch("t", "file-x", "/v1/completions", 60, "24h", {"k": "v"},
                              requests, [])["id"]
@@ -133,6 +151,47 @@ def test_failed_lines_go_to_the_error_file(tmp_path):
     assert batch["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
     err = json.loads(store.path(batch["error_file_id"]).read_text())
     assert err["custom_id"] == "b" and err["response"]["status_code"] == 400
+
+
+def test_a_line_recorded_by_two_gateways_at_once_counts_once(open_store):
+    """Two stores on one database (two gateways) race to record every line: each line is
+    recorded by exactly one of them, and the batch's totals count it once."""
+    first, second = open_store(), open_store()
+    bid = make_batch(first, 40)
+    wins = {first: [], second: []}
+    barrier = threading.Barrier(2)
+
+    def record_all(store):
+        barrier.wait()
+        for idx in range(40):
+            if store.record(bid, idx, True, {"custom_id": f"c{idx}"},
+                            {"prompt_tokens": 1, "completion_tokens": 2,
+                             "cost": {"machine_usd": 0.25, "charge_usd": 0.5}}):
+                wins[store].append(idx)
+
+    threads = [threading.Thread(target=record_all, args=(s,)) for s in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(wins[first] + wins[second]) == list(range(40))
+    for store in (first, second):
+        batch = store.get_batch("t", bid)
+        assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+        assert batch["usage"]["output_tokens"] == 80
+        assert batch["cost"]["charge_usd"] == pytest.approx(20.0)
+        assert store.pending(bid) == []
+
+
+def test_rows_read_by_name_and_by_position(open_store):
+    store = open_store()
+    bid = make_batch(store, 1)
+    row = store.batch_row(bid, "t")
+    assert row["id"] == row[0] == bid and row["tenant"] == "t" and "status" in row.keys()
+    [active] = store.active()
+    assert active["id"] == bid and active["expires_at"] == active["created_at"] + 3600
+    with pytest.raises(Exception):
+        store.batch_row(bid, "another tenant")
 
 
 def test_validation_names_lines(tmp_path):

@@ -1,5 +1,7 @@
-"""The batch store: uploaded files on disk, and in SQLite their metadata, the batch jobs and
-the state and result of every line of every job.
+"""The batch store: uploaded files on disk, and in a database their metadata, the batch jobs
+and the state and result of every line of every job. The database is `batches.db` (SQLite)
+in the data directory, or PostgreSQL when `database` is a `postgresql://` URL (the files
+stay in the data directory: gateways sharing one PostgreSQL need a shared data directory).
 
 NOTE: exactly once
     Creating a batch copies its validated lines into `lines` (state `pending`) in the
@@ -12,16 +14,20 @@ NOTE: exactly once
     recorded in the transaction that marks the batch final; a crash in between leaves the
     batch `finalizing`, and the next start writes its files again.
 
-All methods run on the server's event-loop thread; each call is a short transaction.
+    On PostgreSQL the guarded UPDATE holds too: a second writer of the same line waits for
+    the first one's row lock, then finds the line no longer pending and records nothing.
+
+All methods run on the server's event-loop thread; each call is a short transaction. Rows
+are `tierserve.db.Row`: tuples that also read a column by name, on both databases.
 """
 
 import json
 import os
-import sqlite3
 import time
 import uuid
 from pathlib import Path
 
+from tierserve.db import Database, Row
 from tierserve.errors import NotFoundError
 from tierserve.metering.ledger import Migrations, connect
 
@@ -31,8 +37,8 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 
 
 @migration
-def m001_files_batches_lines(db: sqlite3.Connection) -> None:
-    db.execute("""
+def m001_files_batches_lines(db: Database) -> None:
+    db.ddl("""
         CREATE TABLE files (
             id TEXT PRIMARY KEY,
             tenant TEXT NOT NULL,
@@ -41,7 +47,7 @@ def m001_files_batches_lines(db: sqlite3.Connection) -> None:
             bytes INTEGER NOT NULL,
             created_at INTEGER NOT NULL
         )""")
-    db.execute("""
+    db.ddl("""
         CREATE TABLE batches (
             id TEXT PRIMARY KEY,
             tenant TEXT NOT NULL,
@@ -65,7 +71,7 @@ def m001_files_batches_lines(db: sqlite3.Connection) -> None:
             machine_usd REAL NOT NULL DEFAULT 0,
             charge_usd REAL NOT NULL DEFAULT 0
         )""")
-    db.execute("""
+    db.ddl("""
         CREATE TABLE lines (
             batch_id TEXT NOT NULL,
             idx INTEGER NOT NULL,          -- 0-based position among the file's requests
@@ -75,8 +81,8 @@ def m001_files_batches_lines(db: sqlite3.Connection) -> None:
             result TEXT,                   -- the output or error line, JSON
             PRIMARY KEY (batch_id, idx)
         )""")
-    db.execute("CREATE INDEX batches_tenant ON batches (tenant, created_at)")
-    db.execute("CREATE INDEX files_tenant ON files (tenant, created_at)")
+    db.ddl("CREATE INDEX batches_tenant ON batches (tenant, created_at)")
+    db.ddl("CREATE INDEX files_tenant ON files (tenant, created_at)")
 
 
 def new_id(prefix: str) -> str:
@@ -84,12 +90,14 @@ def new_id(prefix: str) -> str:
 
 
 class BatchStore:
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, database: str | None = None):
+        """Files under `data_dir`; metadata in `data_dir/batches.db`, or in `database` (a
+        `postgresql://` URL, or another SQLite path) when given."""
         self.dir = Path(data_dir)
         self.files_dir = self.dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
-        self.db = connect(self.dir / "batches.db", MIGRATIONS)
-        self.db.row_factory = sqlite3.Row
+        self.db = connect(database or self.dir / "batches.db", MIGRATIONS)
+        self.db.row_factory = Row
 
     def close(self) -> None:
         self.db.close()
@@ -167,7 +175,7 @@ class BatchStore:
     def get_batch(self, tenant: str, batch_id: str) -> dict:
         return batch_object(self.batch_row(batch_id, tenant))
 
-    def batch_row(self, batch_id: str, tenant: str | None = None) -> sqlite3.Row:
+    def batch_row(self, batch_id: str, tenant: str | None = None) -> Row:
         row = self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         if row is None or (tenant is not None and row["tenant"] != tenant):
             raise NotFoundError(f"no batch with id {batch_id!r}", param="batch_id")
@@ -186,7 +194,7 @@ class BatchStore:
                 (status, int(time.time()), batch_id, *only_from))
         return cur.rowcount == 1
 
-    def active(self) -> list[sqlite3.Row]:
+    def active(self) -> list[Row]:
         return self.db.execute(
             f"SELECT * FROM batches WHERE status IN ({','.join('?' * len(ACTIVE))}) "
             "ORDER BY created_at, id", ACTIVE).fetchall()
@@ -242,7 +250,7 @@ class BatchStore:
 
     # -------------------------------------------------------------- helpers
     def _page(self, table: str, tenant: str, after: str | None, limit: int, order: str,
-              extra: str, params: tuple) -> list[sqlite3.Row]:
+              extra: str, params: tuple) -> list[Row]:
         """Rows of `tenant` ordered by (created_at, id), `order`ed, after the cursor id."""
         op, direction = ("<", "DESC") if order == "desc" else (">", "ASC")
         cursor, cparams = "", ()
@@ -258,14 +266,14 @@ class BatchStore:
         ).fetchall()
 
 
-def file_object(row: sqlite3.Row) -> dict:
+def file_object(row: Row) -> dict:
     return {"id": row["id"], "object": "file", "bytes": row["bytes"],
             "created_at": row["created_at"], "filename": row["filename"],
             "purpose": row["purpose"], "status": "processed", "expires_at": None,
             "status_details": None}
 
 
-def batch_object(row: sqlite3.Row) -> dict:
+def batch_object(row: Row) -> dict:
     stamps = ("in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
               "cancelling_at", "cancelled_at")
     errors = json.loads(row["errors"]) if row["errors"] else None

@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 from datetime import datetime, timezone
 
-from tierserve.engine.stats import percentile as pct
+from tierserve.core.stats import percentile as pct
 from tierserve.errors import ConfigError
 from tierserve.metering.ledger import connect
 
@@ -52,13 +52,15 @@ def size_of(output_tokens: int) -> str:
 
 
 def load(path, since: float | None, until: float | None) -> tuple[list[dict], list[dict]]:
+    """The request and idle rows of the ledger at `path` (a SQLite file or a
+    `postgresql://` URL) in [since, until)."""
     db = connect(path)
     lo, hi = since if since is not None else float("-inf"), until if until is not None \
         else float("inf")
-    db.row_factory = lambda cur, row: {d[0]: v for d, v in zip(cur.description, row)}
-    rows = db.execute("SELECT * FROM requests WHERE time >= ? AND time < ? ORDER BY time",
+    db.row_factory = dict
+    rows = db.execute("SELECT * FROM requests WHERE time >= ? AND time < ? ORDER BY time, id",
                       (lo, hi)).fetchall()
-    idle = db.execute("SELECT * FROM idle WHERE end > ? AND start < ?", (lo, hi)).fetchall()
+    idle = db.execute('SELECT * FROM idle WHERE "end" > ? AND start < ?', (lo, hi)).fetchall()
     db.close()
     for r in rows:
         r["tags"] = json.loads(r["tags"] or "{}")

@@ -1,27 +1,41 @@
-"""The ledger: one SQLite row per finished request (success, error or abort), and the
-idle intervals between steps, so a bill can be explained line by line.
+"""The ledger: one row per finished request (success, error or abort), and the idle
+intervals between steps, so a bill can be explained line by line. It lives in a SQLite file
+(the default) or in PostgreSQL (`postgresql://...`), which several gateways share.
 
 NOTE: durability
     Rows go through a queue to one writer thread, which commits every
-    `commit_interval_s` (0.25 s): the engine loop never waits on the disk. `close()`
-    drains the queue and commits, so a clean shutdown loses nothing. The database is in
+    `commit_interval_s` (0.25 s): the engine loop never waits on the database. `close()`
+    drains the queue and commits, so a clean shutdown loses nothing. A SQLite ledger is in
     WAL mode: after a SIGKILL at most the rows of the last commit interval are missing,
-    and it opens cleanly. Readers (`tierserve bill`) can read while the server writes.
+    and it opens cleanly. Readers (`tierserve bill`, `spent`) can read while the server
+    writes. If a commit fails (PostgreSQL restarting, a network error), the writer logs it,
+    reconnects and retries the same rows with backoff; only `close()` while the database
+    stays unreachable gives up, and logs how many rows it dropped.
 
 NOTE: migrations
-    The schema is an append-only list of `@migration` functions, applied in order; each
-    applied one is recorded in `_migrations`. Never edit one that has shipped: add the
-    next. Opening an older database brings it up to date; an empty file gets them all.
+    The schema is an append-only list of `@migration` functions, applied in order, each in
+    one transaction with its row in `_migrations` (see tierserve.db). Never edit one that
+    has shipped: add the next. Opening an older database brings it up to date; an empty
+    one gets them all. Write schema statements with `db.ddl` (SQLite's types, mapped on
+    PostgreSQL), and quote the column `end` (reserved in PostgreSQL) in every query.
 """
 
+import itertools
 import json
+import logging
 import os
 import queue
-import sqlite3
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from operator import itemgetter
 from pathlib import Path
+
+from tierserve import db as database
+from tierserve.db import Database, is_postgres, open_database
+
+log = logging.getLogger("tierserve.ledger")
+
 
 class Migrations(list):
     """An append-only list of schema steps; calling it on a function (as a decorator)
@@ -36,8 +50,8 @@ MIGRATIONS = migration = Migrations()
 
 
 @migration
-def m001_requests(db: sqlite3.Connection) -> None:
-    db.execute("""
+def m001_requests(db: Database) -> None:
+    db.ddl("""
         CREATE TABLE requests (
             id INTEGER PRIMARY KEY,
             time REAL NOT NULL,            -- finish, unix seconds
@@ -61,12 +75,12 @@ def m001_requests(db: sqlite3.Connection) -> None:
 
 
 @migration
-def m002_idle(db: sqlite3.Connection) -> None:
-    db.execute("""
+def m002_idle(db: Database) -> None:
+    db.ddl("""
         CREATE TABLE idle (
             id INTEGER PRIMARY KEY,
             start REAL NOT NULL,           -- unix seconds
-            end REAL NOT NULL,
+            "end" REAL NOT NULL,           -- quoted: reserved in PostgreSQL
             model TEXT NOT NULL,
             cost REAL NOT NULL,            -- unreserved idle machine cost, USD
             reserved_cost REAL NOT NULL    -- idle cost of capacity held for priority
@@ -74,31 +88,19 @@ def m002_idle(db: sqlite3.Connection) -> None:
 
 
 @migration
-def m003_batch_and_latency(db: sqlite3.Connection) -> None:
-    db.execute("ALTER TABLE requests ADD COLUMN mean_batch_size REAL")
-    db.execute("ALTER TABLE requests ADD COLUMN ttft_s REAL")
-    db.execute("ALTER TABLE requests ADD COLUMN e2e_s REAL")
-    db.execute("CREATE INDEX requests_time ON requests (time)")
-    db.execute("CREATE INDEX requests_tenant_time ON requests (tenant, time)")
+def m003_batch_and_latency(db: Database) -> None:
+    db.ddl("ALTER TABLE requests ADD COLUMN mean_batch_size REAL")
+    db.ddl("ALTER TABLE requests ADD COLUMN ttft_s REAL")
+    db.ddl("ALTER TABLE requests ADD COLUMN e2e_s REAL")
+    db.ddl("CREATE INDEX requests_time ON requests (time)")
+    db.ddl("CREATE INDEX requests_tenant_time ON requests (tenant, time)")
 
 
-def connect(path: str | Path, migrations: list | None = None) -> sqlite3.Connection:
-    """Open (creating if needed) and migrate the ledger at `path` (or another database
-    with its own list of `migrations`, such as the batch store)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(path, timeout=30, check_same_thread=False)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=NORMAL")
-    db.execute("CREATE TABLE IF NOT EXISTS _migrations (name TEXT PRIMARY KEY, "
-               "applied_at REAL NOT NULL)")
-    applied = {row[0] for row in db.execute("SELECT name FROM _migrations")}
-    for fn in MIGRATIONS if migrations is None else migrations:
-        if fn.__name__ not in applied:
-            with db:
-                fn(db)
-                db.execute("INSERT INTO _migrations VALUES (?, ?)", (fn.__name__, time.time()))
-    return db
+def connect(path: str | Path, migrations: list | None = None) -> Database:
+    """Open (creating if needed) and migrate the ledger at `path`, a SQLite file or a
+    `postgresql://` URL (or another database with its own list of `migrations`, such as
+    the batch store). The connection autocommits; `with db:` is a transaction."""
+    return database.connect(path, MIGRATIONS if migrations is None else migrations)
 
 
 def default_path() -> Path:
@@ -133,19 +135,30 @@ class RequestRow:
 _REQUEST_COLUMNS = list(RequestRow.__dataclass_fields__)
 _INSERT_REQUEST = (f"INSERT INTO requests ({', '.join(_REQUEST_COLUMNS)}) VALUES "
                    f"({', '.join('?' * len(_REQUEST_COLUMNS))})")
-_INSERT_IDLE = "INSERT INTO idle (start, end, model, cost, reserved_cost) VALUES (?, ?, ?, ?, ?)"
+_INSERT_IDLE = ('INSERT INTO idle (start, "end", model, cost, reserved_cost) '
+                'VALUES (?, ?, ?, ?, ?)')
+_SPENT = "SELECT coalesce(sum(charge), 0) FROM requests WHERE tenant = ? AND time >= ?"
 
 
 class Ledger:
-    """Asynchronous writer of ledger rows (see the module's note on durability)."""
+    """Asynchronous writer of ledger rows (see the module's note on durability).
+
+    `path` is a SQLite file (kept as a Path) or a `postgresql://` URL (kept as the str)."""
 
     def __init__(self, path: str | Path, commit_interval_s: float = 0.25):
-        self.path = Path(path)
+        self.path = path if is_postgres(path) else Path(path)
         self.commit_interval_s = commit_interval_s
         connect(self.path).close()  # create and migrate now: errors surface at startup
         self._queue: queue.Queue = queue.Queue()
+        self._closing = False
+        self._reader: Database | None = None
+        self._reader_lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="ledger", daemon=True)
         self._thread.start()
+
+    @property
+    def dialect(self) -> str:
+        return "postgresql" if is_postgres(self.path) else "sqlite"
 
     def record(self, row: RequestRow) -> None:
         values = asdict(row)
@@ -156,14 +169,46 @@ class Ledger:
                     reserved_cost: float) -> None:
         self._queue.put((_INSERT_IDLE, (start_unix, end_unix, model, cost, reserved_cost)))
 
+    def spent(self, tenant: str, since_unix: float) -> float:
+        """What `tenant` was charged since `since_unix`, summed in the database: the rows
+        committed by every gateway writing to it (not this one's rows still queued, at most
+        one commit interval's). Thread-safe; uses its own connection, reopened if broken."""
+        with self._reader_lock:
+            for attempt in range(2):
+                fresh = self._reader is None
+                if fresh:
+                    self._reader = open_database(self.path)
+                try:
+                    return float(self._reader.execute(_SPENT, (tenant, since_unix))
+                                 .fetchone()[0])
+                except Exception:
+                    self._close_reader()
+                    if fresh or attempt:
+                        raise
+        raise AssertionError("unreachable")
+
     def close(self) -> None:
         """Write everything queued, then stop the writer (idempotent)."""
+        self._closing = True
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        with self._reader_lock:
+            self._close_reader()
+
+    def _where(self) -> str:
+        return database.redact(self.path) if is_postgres(self.path) else str(self.path)
+
+    def _close_reader(self) -> None:
+        if self._reader is not None:
+            try:
+                self._reader.close()
+            except Exception:
+                pass
+            self._reader = None
 
     def _write_loop(self) -> None:
-        db = connect(self.path)
+        db = None
         try:
             while True:
                 batch, stop = [], False
@@ -181,10 +226,31 @@ class Ledger:
                         item = self._queue.get(timeout=remaining)
                     except queue.Empty:
                         break
-                with db:
-                    for sql, values in batch:
-                        db.execute(sql, values)
+                failures = 0
+                while batch:
+                    try:
+                        if db is None:
+                            db = open_database(self.path)
+                        with db:
+                            for sql, group in itertools.groupby(batch, key=itemgetter(0)):
+                                db.executemany(sql, [values for _, values in group])
+                        batch = []
+                    except Exception:
+                        failures += 1
+                        log.exception("ledger: writing %d rows to %s failed (attempt %d)",
+                                      len(batch), self._where(), failures)
+                        if db is not None:
+                            try:
+                                db.close()
+                            except Exception:
+                                pass
+                            db = None
+                        if self._closing and failures >= 3:
+                            log.error("ledger: closing; dropped %d rows", len(batch))
+                            break
+                        time.sleep(min(0.1 * 2 ** failures, 5.0))
                 if stop:
                     return
         finally:
-            db.close()
+            if db is not None:
+                db.close()
