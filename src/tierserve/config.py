@@ -6,10 +6,10 @@ scheduler and the simulator can import it.
 
 from dataclasses import dataclass, field
 
+from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
-TIER_NAMES = ("priority", "default", "flex", "batch")
 POLICIES = ("fcfs", "priority", "tiered")
 DEPLOYMENTS = ("shared", "dedicated")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")

@@ -68,3 +68,21 @@ class OverloadedError(TierserveError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.code = code
+
+
+class UpstreamError(TierserveError):
+    """A replica refused a request (fleet mode): its status and error passed on as they
+    came, so a client sees what it would see from the replica itself."""
+
+    def __init__(self, message: str, status: int, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class ReplicaUnavailableError(TierserveError):
+    """No replica could serve the request (all down, or the one serving it failed)."""
+
+    def __init__(self, message: str, code: str = "replica_unavailable"):
+        super().__init__(message)
+        self.code = code

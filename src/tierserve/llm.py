@@ -1,6 +1,7 @@
 """Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams)`."""
 
-from tierserve.config import SLO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, TierConfig
+from tierserve.config import (SLO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                              TierConfig)
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams

@@ -35,15 +35,15 @@ class Batches:
 
     def __init__(self, state, data_dir: str):
         self.state = state
-        self.store = BatchStore(data_dir)
+        self.store = BatchStore(data_dir, state.settings.database)
         self.runner: BatchRunner | None = None
 
     async def run(self) -> None:
-        """Wait for the engine, then run batches until cancelled (server shutdown)."""
+        """Wait for the backend, then run batches until cancelled (server shutdown)."""
         state = self.state
-        while state.engine is None:
+        while state.backend is None:
             await asyncio.sleep(0.1)
-        seqs = state.engine.engine.config.scheduler.max_num_seqs
+        seqs = state.backend.max_num_seqs
         self.runner = BatchRunner(self.store, self._execute,
                                   state.settings.batch_max_in_flight or 2 * seqs)
         await self.runner.run()

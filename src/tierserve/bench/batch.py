@@ -109,8 +109,8 @@ def run(args) -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=120)
-    from tierserve.cli import engine_config_from_args
     from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.engine_args import engine_config_from_args
     engine = LLMEngine(engine_config_from_args(args))
     run_engine(engine, make_prompts(2, args.prompt_len, vocab, 1), 8, 2)
     offline = run_engine(engine, prompts, args.output_len, args.max_num_seqs)["tok_s"]

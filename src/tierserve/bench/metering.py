@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 
-from tierserve.engine.stats import StatsCollector
+from tierserve.core.stats import StatsCollector
 from tierserve.sampling_params import SamplingParams
 
 QUESTIONS = ["the moon", "bread", "rivers", "chess", "owls", "volcanoes", "tea", "bicycles",
@@ -50,7 +50,7 @@ def metered(engine, price: float, ledger_path: str | None):
 
 def closed_loop(engine, prompts, params, concurrency: int, tiers=None) -> dict:
     collector = StatsCollector()
-    engine.stat_sinks.append(collector)
+    engine.add_sink(collector)
     todo = list(enumerate(prompts))
     start = time.perf_counter()
     while todo or engine.has_unfinished_requests():
@@ -59,7 +59,7 @@ def closed_loop(engine, prompts, params, concurrency: int, tiers=None) -> dict:
             engine.add_request(None, prompt, params, tier=tiers[i] if tiers else "default")
         engine.step()
     wall = time.perf_counter() - start
-    engine.stat_sinks.remove(collector)
+    engine.remove_sink(collector)
     reqs = collector.requests
     return {"wall_s": wall, "tokens": sum(r.num_output_tokens for r in reqs),
             "tok_s": sum(r.num_output_tokens for r in reqs) / wall,

@@ -140,8 +140,8 @@ def run(args) -> None:
             proc.wait(timeout=60)
     c = args.offline_concurrency
     if c and c in http_at and not args.url:
-        from tierserve.cli import engine_config_from_args
         from tierserve.engine.llm_engine import LLMEngine
+        from tierserve.engine_args import engine_config_from_args
         engine = LLMEngine(engine_config_from_args(args))
         run_engine(engine, make_prompts(2, args.prompt_len, vocab, 1), 8, 2)
         prompts = make_prompts(counts[concurrencies.index(c)], args.prompt_len, vocab,

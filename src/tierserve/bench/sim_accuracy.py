@@ -12,9 +12,10 @@ total throughput; one line per rate with the absolute percentage errors.
 import argparse
 import statistics
 
-from tierserve.engine.stats import percentile as pct
+from tierserve.core.request import Tier
+from tierserve.core.stats import percentile as pct
 
-TIERS = ("priority", "default", "flex")
+TIERS = tuple(t.label for t in Tier if t != Tier.BATCH)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -38,12 +39,11 @@ def figures(rows: list[dict], wall: float) -> dict:
 def run(args) -> None:
     from tierserve.bench.tiers import SYSTEM_PROMPT, make_workload, run_open_loop
     from tierserve.config import SchedulerConfig
+    from tierserve.engine.calibrate import calibrate
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
     from tierserve.sim.loop import Simulator
     from tierserve.sim.workload import SimRequest
-
-    from tierserve.engine.calibrate import calibrate
 
     engine = LLMEngine(engine_config(max_num_seqs=args.max_num_seqs))
     whole = calibrate(engine, whole_step=True)  # the simulator's steps: whole engine steps

@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 
-from tierserve.engine.stats import StatsCollector
+from tierserve.core.stats import StatsCollector
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def run_engine(engine, prompts, output_len: int, concurrency: int) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     collector = StatsCollector()
-    engine.stat_sinks.append(collector)
+    engine.add_sink(collector)
     todo = list(prompts)
     start = time.perf_counter()
     while todo or engine.has_unfinished_requests():
@@ -49,7 +49,7 @@ def run_engine(engine, prompts, output_len: int, concurrency: int) -> dict:
             engine.add_request(None, todo.pop(0), params)
         engine.step()
     wall = time.perf_counter() - start
-    engine.stat_sinks.remove(collector)
+    engine.remove_sink(collector)
     reqs = collector.requests
     itl = [x for r in reqs for x in r.inter_token_s]
     return {
@@ -109,8 +109,8 @@ def physical_limits(shape, dtype: str, mem_bw_gbs: float, gflops: float) -> str:
 
 
 def run(args) -> None:
-    from tierserve.cli import engine_config_from_args
     from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.engine_args import engine_config_from_args
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     counts = ([int(n) for n in args.requests.split(",")] if args.requests

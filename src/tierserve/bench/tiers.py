@@ -31,7 +31,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-TIER_NAMES = ("priority", "default", "flex")
+from tierserve.core.request import Tier
+
+TIER_NAMES = tuple(t.label for t in Tier if t != Tier.BATCH)
 SLO_MULTIPLES = {
     # tier: (x idle TTFT of the tier's prompt, x a lone decode step for TPOT)
     "priority": (2.5, 3.0),
@@ -112,11 +114,11 @@ def worker(spec: dict) -> dict:
 
 
 def run_open_loop(engine, arrivals: list[Arrival]) -> dict:
-    from tierserve.engine.stats import StatsCollector
+    from tierserve.core.stats import StatsCollector
     from tierserve.sampling_params import SamplingParams
 
     collector = StatsCollector()
-    engine.stat_sinks.append(collector)
+    engine.add_sink(collector)
     sched = engine.scheduler
     wasted0 = dict(sched.recomputed_tokens_by_tier)
     preempt0 = sched.num_preemptions
@@ -135,7 +137,7 @@ def run_open_loop(engine, arrivals: list[Arrival]) -> dict:
         elif i < len(arrivals):
             time.sleep(max(0.0, arrivals[i].t - now))
     wall = engine.clock.now() - origin
-    engine.stat_sinks.remove(collector)
+    engine.remove_sink(collector)
     max_seqs = engine.config.scheduler.max_num_seqs
     return {
         "wall_s": wall,
@@ -153,8 +155,8 @@ def run_open_loop(engine, arrivals: list[Arrival]) -> dict:
 
 def calibrate_and_idle(engine, spec: dict) -> dict:
     """The step-time model, and TTFT of lone priority and default prompts."""
+    from tierserve.core.stats import StatsCollector
     from tierserve.engine.calibrate import calibrate
-    from tierserve.engine.stats import StatsCollector
     from tierserve.sampling_params import SamplingParams
 
     model = calibrate(engine, repeats=2)
@@ -163,13 +165,13 @@ def calibrate_and_idle(engine, spec: dict) -> dict:
     idle = {}
     for tier in ("priority", "default"):
         collector = StatsCollector()
-        engine.stat_sinks.append(collector)
+        engine.add_sink(collector)
         for a in [a for a in arrivals if a.tier == tier][:8]:  # one at a time: idle
             engine.add_request(None, a.prompt, SamplingParams(max_tokens=4, ignore_eos=True),
                                tier=tier)
             while engine.has_unfinished_requests():
                 engine.step()
-        engine.stat_sinks.remove(collector)
+        engine.remove_sink(collector)
         idle[tier] = sorted(r.ttft_s for r in collector.requests)
     return {"model": asdict(model), "lone_decode_s": model.predict_s([(1, 256)]),
             "idle_ttft_s": idle}
@@ -193,7 +195,7 @@ def collect(proc: subprocess.Popen) -> dict:
 # ------------------------------------------------------------------- figures
 def pct(values: list[float], q: float) -> float:
     """percentile(), with NaN for no values (printed, never compared)."""
-    from tierserve.engine.stats import percentile
+    from tierserve.core.stats import percentile
 
     value = percentile(values, q)
     return float("nan") if value is None else value

@@ -19,7 +19,7 @@ Three policies, from plain to tier-aware:
 
 from typing import Protocol
 
-from tierserve.core.request import Request
+from tierserve.core.request import Request, Tier
 
 
 class SchedulingPolicy(Protocol):
@@ -35,6 +35,9 @@ class SchedulingPolicy(Protocol):
 
     def victim_key(self, request: Request) -> tuple:
         """Among preemptible running requests, the largest is preempted first."""
+
+    def served_tier(self, tier: Tier) -> Tier:
+        """The tier a request asking for `tier` is served and billed in."""
 
 
 class FCFSPolicy:
@@ -56,6 +59,9 @@ class FCFSPolicy:
 
     victim_key = key
 
+    def served_tier(self, tier: Tier) -> Tier:
+        return Tier.DEFAULT  # every request is served alike
+
 
 class StrictPriorityPolicy:
     """vLLM's `priority` policy: (tier, priority, arrival). A waiting request never preempts
@@ -72,6 +78,9 @@ class StrictPriorityPolicy:
         return (int(request.tier), request.priority, request.arrival_time, request.arrival_seq)
 
     victim_key = key
+
+    def served_tier(self, tier: Tier) -> Tier:
+        return tier
 
 
 class TieredPolicy:
@@ -94,6 +103,9 @@ class TieredPolicy:
     def victim_key(self, request: Request) -> tuple:
         return (request.rank, -request.num_computed_tokens, request.arrival_time,
                 request.arrival_seq)
+
+    def served_tier(self, tier: Tier) -> Tier:
+        return tier
 
 
 POLICIES = {p.name: p for p in (FCFSPolicy, StrictPriorityPolicy, TieredPolicy)}

@@ -27,6 +27,12 @@ class Tier(IntEnum):
         return self.name.lower()
 
 
+TIER_NAMES = tuple(t.label for t in Tier)
+"""Every tier's name, best first: the one list of tier names (config, CLI, reports)."""
+REQUEST_TIERS = ("auto",) + tuple(t.label for t in Tier if t != Tier.BATCH)
+"""What `service_tier` may say on the wire (batch comes only from /v1/batches)."""
+
+
 class RequestStatus(IntEnum):
     """Ordered so that `status >= FINISHED_STOPPED` means finished."""
 

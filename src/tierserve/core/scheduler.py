@@ -76,7 +76,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     refused_ids: list[str] = field(default_factory=list)
-    """Requests the scheduler ended without running them (flex past its wait limit)."""
+    """Requests the scheduler ended without running them: flex past its wait limit
+    (refused), or a prompt longer than its tier may hold (length)."""
     predicted_s: float | None = None
     """The step-time model's prediction for this step (None without a model)."""
 
@@ -151,6 +152,13 @@ class Scheduler:
         self.step_time_ratio = 1.0
         """Measured over predicted step time, smoothed: the cap is divided by it, so it
         holds in measured time even where the fitted model is off."""
+        self.max_len_lower = max_model_len
+        """Longest prompt + output of a lower-tier request: what the blocks outside the
+        priority reserve hold (more could never be allocated: it would wait forever)."""
+        if self.policy.tiered and config.reserved_priority_blocks:
+            self.max_len_lower = min(max_model_len, block_manager.block_size * (
+                block_manager.num_blocks - config.reserved_priority_blocks))
+        self._too_long: list[Request] = []
 
     # ----------------------------------------------------------- queue state
     @property
@@ -165,6 +173,10 @@ class Scheduler:
         self._arrivals += 1
         self.requests[request.request_id] = request
         self._num_priority += request.tier == Tier.PRIORITY
+        if request.num_prompt_tokens >= self.max_len(request):
+            self._too_long.append(request)  # waiting until the next schedule() ends it
+            self._num_waiting += 1
+            return
         self._push_waiting(request)
         if self.policy.tiered and request.tier == Tier.FLEX:
             self._flex_queue.append(request)
@@ -189,6 +201,10 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         """Plan the next step; `now` (the engine's clock) drives aging and the flex limit."""
         refused = self._refuse_overdue_flex(now) if self.policy.tiered else []
+        while self._too_long:
+            request = self._too_long.pop()
+            if self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH):
+                refused.append(request)
         if self.policy.tiered:
             self._age_default(now)
         step = _Step(self.config.max_num_batched_tokens, self._time_limit_s(now))
@@ -457,6 +473,10 @@ class Scheduler:
                 touched.append(request)
         return touched
 
+    def max_len(self, request: Request) -> int:
+        """Longest prompt + output the request may reach in this engine."""
+        return self.max_model_len if request.tier == Tier.PRIORITY else self.max_len_lower
+
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]
         num_output = len(request.output_token_ids)
@@ -468,7 +488,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if len(request.prompt_token_ids) + num_output >= self.max_model_len:
+        if len(request.prompt_token_ids) + num_output >= self.max_len(request):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -1,5 +1,8 @@
-"""Stats are data: the engine emits these dataclasses; sinks (metering, Prometheus, logs,
-benchmarks) consume them through the `StatSink` protocol."""
+"""Stats are data: the engine core emits these dataclasses; sinks (Prometheus, logs,
+benchmarks) consume them through the `StatSink` protocol. One `Metering` consumer comes
+before every sink and returns each finished request's `Bill`: the core puts it on the
+request's stats, so every later sink sees the cost. Plain Python: the simulator uses it.
+"""
 
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,6 +40,34 @@ class StepStats:
 
 
 @dataclass
+class RequestCost:
+    """A request's machine cost, split by the cost meter (metering/cost.py)."""
+
+    prefill_cost: float = 0.0
+    decode_cost: float = 0.0
+    num_steps: int = 0
+    batch_size_sum: int = 0
+    """Sum over the request's steps of the step's sequence count (for the mean batch)."""
+
+    @property
+    def machine_cost(self) -> float:
+        return self.prefill_cost + self.decode_cost
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass
+class Bill:
+    """What metering made of one finished request."""
+
+    cost: RequestCost
+    charge: float | None = None
+    """What the tenant is charged (USD); None where no price list applies (simulator)."""
+
+
+@dataclass
 class RequestStats:
     """One request's timeline (arrival, first scheduled, first token, each token, finish)
     and counters; the raw material of TTFT, TPOT and SLO attainment."""
@@ -44,6 +75,9 @@ class RequestStats:
     request_id: str
     arrival_time: float
     tier: str = "default"
+    """The tier the request asked for (what per-tier latency reports group by)."""
+    served_tier: str | None = None
+    """The tier it was served and billed in (None: the one it asked for)."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -55,10 +89,14 @@ class RequestStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     finish_reason: str | None = None
-    cost: object = None
-    """metering.cost.RequestCost, set by the cost meter when the request finishes."""
+    cost: RequestCost | None = None
+    """Machine cost, from the engine core's metering when the request finishes."""
     charge: float | None = None
-    """What the tenant is charged (USD), set by the server when the request finishes."""
+    """What the tenant is charged (USD), from the same bill."""
+
+    @property
+    def billed_tier(self) -> str:
+        return self.served_tier or self.tier
 
     @property
     def queue_s(self) -> float | None:
@@ -118,6 +156,15 @@ class StatSink(Protocol):
     def on_step(self, stats: StepStats) -> None: ...
 
     def on_request_finished(self, stats: RequestStats) -> None: ...
+
+
+class Metering(Protocol):
+    """The one consumer that prices steps and requests; the core calls it before any
+    sink, so the meter-then-ledger order lives in one place."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_request_finished(self, stats: RequestStats) -> Bill: ...
 
 
 class StatsCollector:

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
+from tierserve.core.request import Tier
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ class AsyncEngine:
     def engines(self) -> tuple["AsyncEngine", ...]:
         return (self,)
 
-    def served_tier(self, tier: str) -> str:
+    def served_tier(self, tier: Tier) -> Tier:
         return self.engine.served_tier(tier)
 
     def start(self) -> None:
@@ -58,7 +59,7 @@ class AsyncEngine:
             self._loop_task = None
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str | None = None, tier: str = "default",
+                       request_id: str | None = None, tier: Tier | str = Tier.DEFAULT,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs (each with its delta) until it finishes.
         Leaving the iteration early (client gone) aborts the request."""
@@ -83,7 +84,7 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                          tier: str = "default", priority: int = 0) -> str:
+                          tier: Tier | str = Tier.DEFAULT, priority: int = 0) -> str:
         self.start()
         while not self._idle.is_set():  # the engine is not thread-safe: wait out the step
             await self._idle.wait()

@@ -23,8 +23,8 @@ NOTE: what is timed
 import dataclasses
 import random
 
+from tierserve.core.stats import StatsCollector
 from tierserve.core.step_time import StepTimeModel
-from tierserve.engine.stats import StatsCollector
 from tierserve.sampling_params import SamplingParams
 
 
@@ -49,7 +49,9 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
         raise RuntimeError("calibrate needs an idle engine")
     rng = random.Random(seed)
     collector = StatsCollector()
-    sinks, engine.stat_sinks = engine.stat_sinks, [collector]
+    core = engine.core
+    sinks, metering = core.sinks, core.metering  # calibration runs are nobody's cost
+    core.sinks, core.metering = [collector], None
     counters = (engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens)
     vocab = engine.shape.vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -63,7 +65,7 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
                 _run_batch(engine, num, prompt_len, max_tokens, rng, vocab, params,
                            collector, samples, whole_step)
     finally:
-        engine.stat_sinks = sinks
+        core.sinks, core.metering = sinks, metering
         engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens = counters
         engine.block_manager.reset_prefix_cache()
     return StepTimeModel.fit(samples)

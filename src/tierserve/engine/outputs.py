@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from tierserve.engine.stats import RequestStats
+from tierserve.core.stats import RequestStats
 
 
 @dataclass

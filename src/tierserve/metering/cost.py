@@ -26,27 +26,11 @@ NOTE: the work model
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from tierserve.core.stats import Bill, RequestCost
 from tierserve.core.step_time import StepTimeModel
 
 EQUAL_WORK = StepTimeModel(fixed_s=0.0, per_seq_s=0.0, per_token_s=1.0)
 """Fallback work model without a calibration: cost by token count alone."""
-
-
-@dataclass
-class RequestCost:
-    prefill_cost: float = 0.0
-    decode_cost: float = 0.0
-    num_steps: int = 0
-    batch_size_sum: int = 0
-    """Sum over the request's steps of the step's sequence count (for the mean batch)."""
-
-    @property
-    def machine_cost(self) -> float:
-        return self.prefill_cost + self.decode_cost
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.batch_size_sum / self.num_steps if self.num_steps else 0.0
 
 
 @dataclass
@@ -122,10 +106,13 @@ class CostMeter:
             return [cost / n] * n
         return [cost * w / total for w in work]
 
-    def on_request_finished(self, stats) -> None:
-        """Hand the finished request its cost (`stats.cost`) and forget it here; sinks
-        after this one (server, ledger) read it from the stats."""
-        stats.cost = self.costs.pop(stats.request_id, None) or RequestCost()
+    def on_request_finished(self, stats) -> Bill:
+        """The finished request's machine cost (forgotten here); no charge: prices are
+        the recorder's (metering/recorder.py)."""
+        return Bill(self.take(stats.request_id))
+
+    def take(self, request_id: str) -> RequestCost:
+        return self.costs.pop(request_id, None) or RequestCost()
 
     # ----------------------------------------------------------------- idle
     def close_window(self, now: float) -> None:

@@ -1,19 +1,21 @@
 """From engine stats to the bill: per-engine cost meters, the price list, the ledger and
 tenant budgets, behind one object the server holds.
 
-A request is registered when the server adds it (tenant, tier asked for, tags). The
-recorder is a stat sink right after each engine's cost meter: when a request finishes the
-meter has put its machine cost on its stats, and the recorder adds the charge, writes the
-ledger row and counts the tenant's spend, before any later sink (the server) sees it.
+A request is registered when the server adds it (tenant, tier asked for, tags). Each
+engine gets one `EngineMetering` (its cost meter, then this recorder) as the engine
+core's metering, which the core calls before any sink: when a request finishes, the meter
+gives its machine cost, the recorder its charge, the ledger row and the tenant's spend,
+and the resulting `Bill` is on the request's stats before a sink (the server) sees it.
 """
 
 import calendar
 import time
 from dataclasses import dataclass
 
+from tierserve.core.stats import Bill, RequestCost
 from tierserve.errors import ConfigError, OverloadedError
 from tierserve.metering.cost import CostMeter, IdleInterval
-from tierserve.metering.ledger import Ledger, RequestRow, connect
+from tierserve.metering.ledger import Ledger, RequestRow
 from tierserve.metering.prices import PriceList
 
 PERIODS = ("day", "month", "total")
@@ -46,38 +48,49 @@ class _Pending:
     tags: dict
 
 
+class EngineMetering:
+    """One engine's metering (core.stats.Metering): its cost meter prices the steps and
+    each finished request's machine cost, then the recorder charges and records it."""
+
+    def __init__(self, meter: CostMeter, recorder: "Recorder"):
+        self.meter, self.recorder = meter, recorder
+
+    def on_step(self, stats) -> None:
+        self.meter.on_step(stats)
+        self.recorder.flush_idle()
+
+    def on_request_finished(self, stats) -> Bill:
+        cost = self.meter.take(stats.request_id)
+        return Bill(cost, self.recorder.finished(stats, cost))
+
+
 class Recorder:
     def __init__(self, model: str, prices: PriceList, ledger: Ledger | None,
-                 budgets: dict[str, Budget] | None = None, on_cost=None, on_idle=None):
-        """`on_cost(tier, stats)`, `on_idle(interval)`: told of each finished request and
-        each idle interval (Prometheus counters)."""
+                 budgets: dict[str, Budget] | None = None, on_idle=None):
+        """`on_idle(interval)`: told of each idle interval (Prometheus counters)."""
         self.model, self.prices, self.ledger = model, prices, ledger
         self.budgets = dict(budgets or {})
-        self.on_cost, self.on_idle = on_cost, on_idle
+        self.on_idle = on_idle
         self.meters: list[CostMeter] = []
         self._engines: list = []
         self._pending: dict[str, _Pending] = {}
         self._unix_offset = time.time() - time.monotonic()
         self._spend: dict[str, tuple[float, float]] = {}  # tenant -> (period start, USD)
+        self._read_at: dict[str, float] = {}
+        self.shared_refresh_s = 0.5
+        """How stale another gateway's spend may be (a shared PostgreSQL ledger)."""
         self.idle_cost_usd = 0.0
 
     def attach(self, engine, price_per_hour: float, reserved_fraction: float) -> CostMeter:
-        """Meter `engine`: a cost meter and this recorder become its first stat sinks (so
-        stats carry their cost and charge before anything else sees them)."""
+        """Meter `engine` (its `set_metering`): stats carry their cost and charge before
+        any sink sees them."""
         model = engine.scheduler.step_time_model
         meter = CostMeter(price_per_hour, reserved_fraction=reserved_fraction,
                           **({"work_model": model} if model is not None else {}))
-        engine.stat_sinks[:0] = [meter, self]
+        engine.set_metering(EngineMetering(meter, self))
         self.meters.append(meter)
         self._engines.append(engine)
         return meter
-
-    # StatSink --------------------------------------------------------------
-    def on_step(self, stats) -> None:
-        self.flush_idle()
-
-    def on_request_finished(self, stats) -> None:
-        self.finished(stats.tier, stats)
 
     # -------------------------------------------------------------- requests
     def register(self, request_id: str, tenant: str, tier_requested: str,
@@ -96,50 +109,56 @@ class Recorder:
                 "the budget is raised", retry_after_s=3600, code="insufficient_quota")
 
     def spent(self, tenant: str) -> float:
+        """The tenant's spend this budget period: the ledger's sum, read once per period
+        from a file only this server writes, or every `shared_refresh_s` from a database
+        that other gateways write too; plus what this server charged since it read."""
         budget = self.budgets[tenant]
-        start = budget.period_start(time.time())
+        now = time.time()
+        start = budget.period_start(now)
         cached = self._spend.get(tenant)
-        if cached is None or cached[0] != start:
-            total = 0.0
-            if self.ledger is not None:
-                db = connect(self.ledger.path)
-                total = db.execute("SELECT coalesce(sum(charge), 0) FROM requests WHERE "
-                                   "tenant = ? AND time >= ?", (tenant, start)).fetchone()[0]
-                db.close()
+        stale = cached is None or cached[0] != start or (
+            self.ledger is not None and self.ledger.dialect == "postgresql"
+            and now - self._read_at.get(tenant, 0.0) >= self.shared_refresh_s)
+        if stale:
+            total = self.ledger.spent(tenant, start) if self.ledger is not None else 0.0
+            if cached is not None and cached[0] == start:  # rows of ours still queued
+                total = max(total, cached[1])
             cached = (start, total)
             self._spend[tenant] = cached
+            self._read_at[tenant] = now
         return cached[1]
 
-    def finished(self, tier_served: str, stats) -> None:
-        """Charge a finished request, write its row, count its tenant's spend."""
+    def finished(self, stats, cost: RequestCost) -> float:
+        """Charge a finished request (in the tier that served it), write its row, count
+        its tenant's spend; returns the charge."""
+        tier_served = stats.billed_tier
         pending = self._pending.pop(stats.request_id, None) or _Pending("anonymous",
                                                                         tier_served, {})
-        cost = stats.cost
         ran = stats.first_scheduled_time is not None  # refused, or aborted while waiting: no
-        stats.charge = self.prices.charge(tier_served, stats.num_prompt_tokens,
-                                          stats.num_cached_tokens,
-                                          stats.num_output_tokens) if ran else 0.0
+        charge = self.prices.charge(tier_served, stats.num_prompt_tokens,
+                                    stats.num_cached_tokens,
+                                    stats.num_output_tokens) if ran else 0.0
         if pending.tenant in self.budgets:
             start, total = self._spend.get(pending.tenant) or (None, None)
             if start is None:
                 self.spent(pending.tenant)  # loads the period's spend (this row not yet in)
                 start, total = self._spend[pending.tenant]
-            self._spend[pending.tenant] = (start, total + stats.charge)
-        if self.on_cost is not None:
-            self.on_cost(tier_served, stats)
-        if self.ledger is None:
-            return
+            self._spend[pending.tenant] = (start, total + charge)
+        if self.ledger is not None:
+            self._write(stats, cost, charge, pending)
+        return charge
+
+    def _write(self, stats, cost: RequestCost, charge: float, pending: _Pending) -> None:
         finished = stats.finished_time if stats.finished_time is not None else time.monotonic()
         self.ledger.record(RequestRow(
             time=finished + self._unix_offset, request_id=stats.request_id,
             tenant=pending.tenant, model=self.model, tier_requested=pending.tier_requested,
-            tier_served=tier_served, prompt_tokens=stats.num_prompt_tokens,
+            tier_served=stats.billed_tier, prompt_tokens=stats.num_prompt_tokens,
             cached_tokens=stats.num_cached_tokens, output_tokens=stats.num_output_tokens,
             queue_s=stats.queue_s, prefill_s=stats.prefill_s, decode_s=stats.decode_s,
-            prefill_cost=cost.prefill_cost if cost else 0.0,
-            decode_cost=cost.decode_cost if cost else 0.0, charge=stats.charge,
+            prefill_cost=cost.prefill_cost, decode_cost=cost.decode_cost, charge=charge,
             finish_reason=stats.finish_reason or "error", tags=pending.tags,
-            mean_batch_size=cost.mean_batch_size if cost else None, ttft_s=stats.ttft_s,
+            mean_batch_size=cost.mean_batch_size, ttft_s=stats.ttft_s,
             e2e_s=stats.e2e_s))
 
     def forget(self, request_id: str) -> None:
@@ -166,10 +185,8 @@ class Recorder:
     def close(self) -> None:
         """Account the last idle time, leave the engines' sinks, write what is queued."""
         self.flush_idle(final=True)
-        for engine, meter in zip(self._engines, self.meters):
-            for sink in (meter, self):
-                if sink in engine.stat_sinks:
-                    engine.stat_sinks.remove(sink)
+        for engine in self._engines:
+            engine.set_metering(None)
         if self.ledger is not None:
             self.ledger.close()
 

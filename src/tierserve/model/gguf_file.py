@@ -1,4 +1,5 @@
-"""Read a llama.cpp GGUF file: model shape from metadata, tensors dequantized by `gguf`.
+"""Read a llama.cpp GGUF file's tensors, dequantized by `gguf` (its metadata and shape:
+model/metadata.py).
 
 Tensor names are translated to Hugging Face names here, once, so the weight mapping in
 `loader.py` knows one naming. llama.cpp's converter permutes the rows of Q and K of
@@ -6,7 +7,6 @@ Tensor names are translated to Hugging Face names here, once, so the weight mapp
 uses the rotate-half layout of the Hugging Face checkpoints.
 """
 
-import os
 import re
 from collections.abc import Iterator
 
@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from tierserve.errors import ModelLoadError, UnsupportedModelError
+from tierserve.model.metadata import GGUFMetadata
 from tierserve.model.shapes import ModelShape
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
@@ -32,62 +32,8 @@ _GLOBAL_NAMES = {
 }
 
 
-class GGUFCheckpoint:
-    def __init__(self, path: str):
-        import gguf
-
-        if not os.path.isfile(path):
-            raise ModelLoadError(f"model file not found: {path}")
-        try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as exc:  # the reader raises ValueError, struct errors, IndexError...
-            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
-        self.path = path
-        self.arch = self.field("general.architecture")
-        if self.arch not in SUPPORTED_ARCHS:
-            raise UnsupportedModelError(
-                f"GGUF architecture {self.arch!r} is not supported; tierserve runs "
-                f"Llama-family models ({', '.join(SUPPORTED_ARCHS)})")
-
-    def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
-
-    def shape(self) -> ModelShape:
-        a = self.arch
-
-        def req(key: str):
-            value = self.field(f"{a}.{key}")
-            if value is None:
-                raise ModelLoadError(f"{self.path}: GGUF metadata lacks {a}.{key}")
-            return value
-
-        num_heads = int(req("attention.head_count"))
-        hidden = int(req("embedding_length"))
-        names = {t.name for t in self.reader.tensors}
-        vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
-        scaling = None
-        if self.field(f"{a}.rope.scaling.type") == "linear":
-            scaling = {"rope_type": "linear",
-                       "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0))}
-        return ModelShape(
-            name=str(self.field("general.name", os.path.basename(self.path))),
-            num_layers=int(req("block_count")),
-            hidden_size=hidden,
-            num_heads=num_heads,
-            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
-            intermediate_size=int(req("feed_forward_length")),
-            vocab_size=int(vocab),
-            head_dim=int(self.field(f"{a}.attention.key_length", hidden // num_heads)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
-            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-        )
+class GGUFCheckpoint(GGUFMetadata):
+    """A GGUF file's tensors, decoded to float32 torch tensors."""
 
     def tensors(self, shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, float32 tensor) for every tensor, Q/K un-permuted."""

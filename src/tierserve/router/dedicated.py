@@ -14,6 +14,7 @@ here so the two engines' ids cannot collide.
 
 import itertools
 
+from tierserve.core.request import Tier
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ from tierserve.sampling_params import SamplingParams
 class DedicatedEngines:
     def __init__(self, fast: AsyncEngine, main: AsyncEngine):
         self.fast, self.main = fast, main
+        fast.engine.core.dedicated_tier = Tier.PRIORITY  # fcfs inside, priority on the bill
         self.engine = main.engine
         """The batching engine: its config and stat sinks stand for the deployment."""
         self._owner: dict[str, AsyncEngine] = {}
@@ -34,12 +36,15 @@ class DedicatedEngines:
     def errored(self) -> BaseException | None:
         return self.fast.errored or self.main.errored
 
-    def served_tier(self, tier: str) -> str:
-        return "priority" if tier == "priority" else self.main.engine.served_tier(tier)
+    def _target(self, tier: Tier) -> AsyncEngine:
+        return self.fast if tier == Tier.PRIORITY else self.main
+
+    def served_tier(self, tier: Tier) -> Tier:
+        return self._target(tier).engine.served_tier(tier)
 
     async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                          tier: str = "default", priority: int = 0) -> str:
-        target = self.fast if tier == "priority" else self.main
+                          tier: Tier = Tier.DEFAULT, priority: int = 0) -> str:
+        target = self._target(Tier.parse(tier))
         request_id = request_id or f"{'fast' if target is self.fast else 'main'}-" \
                                    f"{next(self._ids)}"
         request_id = await target.add_request(prompt, params, request_id, tier, priority)

@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP server: create_app(engine, settings)."""
+"""OpenAI-compatible HTTP server: create_app(backend, settings)."""

@@ -1,7 +1,8 @@
-"""The FastAPI app: OpenAI-compatible routes over an AsyncEngine.
+"""The FastAPI app: OpenAI-compatible routes over a backend (router/backend.py).
 
-`create_app(engine, settings)` holds all state on `app.state.tierserve`; nothing is global.
-Errors are typed (`tierserve.errors`) and mapped to status codes once, in `ERRORS`.
+`create_app(backend, settings)` holds all state on `app.state.tierserve`; nothing is
+global. Errors are typed (`tierserve.errors`) and mapped to status codes once
+(server/http_errors.py).
 """
 
 import contextlib
@@ -13,88 +14,61 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.batch import routes as batch_routes
 from tierserve.batch.routes import CHUNK
+from tierserve.core.request import Tier
+from tierserve.core.stats import RequestStats
 from tierserve.engine.async_engine import AsyncEngine
-from tierserve.engine.stats import RequestStats
-from tierserve.errors import (AuthenticationError, ConflictError, ContextLengthError,
-                              InvalidRequestError, NotFoundError, OverloadedError,
+from tierserve.errors import (AuthenticationError, NotFoundError, OverloadedError,
                               RequestTooLargeError, TierNotAllowedError, TierserveError)
 from tierserve.metering.ledger import Ledger
 from tierserve.metering.recorder import Recorder
+from tierserve.router.backend import Backend
 from tierserve.router.dedicated import DedicatedEngines
+from tierserve.router.local import LocalBackend
 from tierserve.server import completions
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
+from tierserve.server.http_errors import error_response, validation_error
 from tierserve.server.metrics import Metrics
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant, resolve_tier
 
-ERRORS: list[tuple[type[Exception], int, str]] = [
-    # exception type, HTTP status, OpenAI error type (first match wins)
-    (ContextLengthError, 400, "invalid_request_error"),
-    (InvalidRequestError, 400, "invalid_request_error"),
-    (AuthenticationError, 401, "invalid_request_error"),
-    (TierNotAllowedError, 403, "permission_error"),
-    (NotFoundError, 404, "invalid_request_error"),
-    (ConflictError, 409, "invalid_request_error"),
-    (RequestTooLargeError, 413, "invalid_request_error"),
-    (OverloadedError, 429, "rate_limit_error"),
-]
-_DEFAULT_CODES = {401: "invalid_api_key", 403: "tier_not_allowed", 404: "not_found",
-                  409: "conflict", 413: "request_too_large"}
-
-
-def error_response(exc: Exception) -> JSONResponse:
-    for etype, status, otype in ERRORS:
-        if isinstance(exc, etype):
-            code = getattr(exc, "code", None) or _DEFAULT_CODES.get(status)
-            headers = ({"Retry-After": str(exc.retry_after_s)}
-                       if isinstance(exc, OverloadedError) else None)
-            body = fmt.error_body(str(exc), otype, getattr(exc, "param", None), code)
-            return JSONResponse(body, status_code=status, headers=headers)
-    return JSONResponse(fmt.error_body("internal error: " + str(exc), "server_error",
-                                       code="internal_error"), status_code=500)
-
 
 class ServerState:
-    """Everything the routes share. The engine is attached once the model has loaded."""
+    """Everything the routes share. The backend is attached once it is ready (the model
+    loaded, or the fleet's replicas known)."""
 
     def __init__(self, settings: ServerSettings, model_name: str):
         self.settings = settings
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.recorder = Recorder(model_name, settings.prices,
-                                 Ledger(settings.ledger) if settings.ledger else None,
-                                 settings.budgets, on_cost=self.metrics.observe_cost,
-                                 on_idle=self.metrics.observe_idle)
-        self.engine: AsyncEngine | DedicatedEngines | None = None
+                                 Ledger(settings.ledger_target)
+                                 if settings.ledger_target else None,
+                                 settings.budgets, on_idle=self.metrics.observe_idle)
+        self.backend: Backend | None = None
         self.admission: Admission | None = None
         self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
             else None
 
-    def attach(self, engine: "AsyncEngine | DedicatedEngines") -> None:
-        price = self.settings.price_per_hour
-        for part in engine.engines:
-            sched = part.engine.config.scheduler
-            reserved = 1.0 if part is not engine.engines[-1] else \
-                sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
-            self.recorder.attach(part.engine, price, reserved)
-            part.engine.stat_sinks.append(self)
-        self.metrics.slo = dict(engine.engine.config.tiers.slo)
-        self.admission = Admission(self.settings.queue_limits,
-                                   engine.engine.config.scheduler.max_num_seqs)
-        self.engine = engine
+    def attach(self, backend: Backend) -> None:
+        backend.meter(self.recorder, self.settings.price_per_hour, self)
+        self.metrics.slo = dict(backend.slo)
+        self.admission = Admission(self.settings.queue_limits, backend.max_num_seqs)
+        self.backend = backend
 
+    # StatSink: after metering, so the stats carry their cost and charge
     def on_step(self, stats) -> None:
         self.metrics.on_step(stats)
 
     def on_request_finished(self, stats: RequestStats) -> None:
-        self.metrics.observe_request(stats.tier, stats)
+        self.metrics.observe_request(stats.billed_tier, stats)
+        self.metrics.observe_cost(stats.billed_tier, stats)
 
-    def ready_engine(self) -> "AsyncEngine | DedicatedEngines":
-        if self.engine is None:
+    def ready(self) -> Backend:
+        if self.backend is None:
             raise OverloadedError("the model is still loading", retry_after_s=5,
                                   code="model_loading")
-        return self.engine
+        return self.backend
 
     def authenticate(self, request: Request) -> Tenant:
         keys = self.settings.api_keys
@@ -111,17 +85,20 @@ class ServerState:
             raise NotFoundError(f"the model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`", param="model")
 
-    def tier_for(self, requested: str | None, tenant: Tenant) -> str:
+    def tier_for(self, requested: str | None, tenant: Tenant) -> Tier:
+        """The tier this tenant's request runs in (parsed here, once, at the edge)."""
         tier = resolve_tier(requested, tenant)
         wanted = "default" if requested in (None, "auto") else requested
         if tier is None or (tier != wanted and self.settings.strict_tiers):
             raise TierNotAllowedError(f"tenant {tenant.name!r} may not use the {wanted} tier "
                                       f"(allowed: {', '.join(tenant.tiers)})")
-        return self.engine.served_tier(tier)
+        return Tier.parse(tier)
 
 
-def create_app(engine: AsyncEngine | None, settings: ServerSettings,
-               model_name: str = "default") -> FastAPI:
+def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
+               settings: ServerSettings, model_name: str = "default") -> FastAPI:
+    """`backend`: None to attach one later (`app.state.tierserve.attach`); an in-process
+    deployment is wrapped in a LocalBackend."""
     settings.validate()
     state = ServerState(settings, model_name)
 
@@ -129,17 +106,16 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
     async def lifespan(app: FastAPI):
         async with batch_routes.running(state):  # stopped first: its lines abort cleanly
             yield
-        if state.engine is not None:
-            await state.engine.stop()
-            for part in state.engine.engines:  # the engine may outlive this app (tests)
-                if state in part.engine.stat_sinks:
-                    part.engine.stat_sinks.remove(state)
+        if state.backend is not None:
+            await state.backend.stop()
         state.recorder.close()
 
     app = FastAPI(title="tierserve", lifespan=lifespan)
     app.state.tierserve = state
-    if engine is not None:
-        state.attach(engine)
+    if isinstance(backend, (AsyncEngine, DedicatedEngines)):
+        backend = LocalBackend(backend)
+    if backend is not None:
+        state.attach(backend)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
                        paths={"/v1/files": settings.max_file_bytes + CHUNK})
     _add_error_handlers(app)
@@ -147,20 +123,20 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
 
     @app.get("/health")
     async def health():
-        if state.engine is None:
+        if state.backend is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        if state.engine.errored is not None:
-            return JSONResponse({"status": "error", "detail": str(state.engine.errored)},
+        if state.backend.errored is not None:
+            return JSONResponse({"status": "error", "detail": str(state.backend.errored)},
                                 status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(request: Request):
         state.authenticate(request)
-        eng = state.ready_engine().engine
+        backend = state.ready()
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "tierserve",
-            "max_model_len": eng.max_model_len}]}
+            "max_model_len": backend.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -171,18 +147,18 @@ def create_app(engine: AsyncEngine | None, settings: ServerSettings,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         tenant = state.authenticate(request)
-        state.ready_engine()
+        state.ready()
         state.check_model(body.model)
-        return await completions.serve(state, "chat", body,
-                                       completions.chat_prompts(state, body), tenant)
+        return await completions.serve(state, "chat", body, completions.prompts(state, body),
+                                       tenant)
 
     @app.post("/v1/completions")
     async def text_completions(body: CompletionRequest, request: Request):
         tenant = state.authenticate(request)
-        state.ready_engine()
+        state.ready()
         state.check_model(body.model)
         return await completions.serve(state, "completion", body,
-                                       completions.completion_prompts(state, body), tenant)
+                                       completions.prompts(state, body), tenant)
 
     return app
 
@@ -223,7 +199,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request, exc: RequestValidationError):
-        return error_response(completions.validation_error(exc.errors()))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request, exc: StarletteHTTPException):

@@ -3,14 +3,15 @@ request, whole or streamed answers; and the same path for one line of a batch jo
 """
 
 import asyncio
-import json
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from tierserve.engine.async_engine import AsyncEngine
+from tierserve.core.request import Tier
 from tierserve.errors import InvalidRequestError, OverloadedError, TierserveError
+from tierserve.router.backend import Backend, Chat, Prompt
 from tierserve.server import openai_format as fmt
+from tierserve.server.http_errors import error_body, validation_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.settings import Tenant
 
@@ -19,39 +20,22 @@ KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
 """Endpoint -> (kind, request body model)."""
 
 
-def chat_prompts(state, body: ChatCompletionRequest) -> list:
-    tokenizer = state.ready_engine().engine.tokenizer
-    if tokenizer is None:
-        raise InvalidRequestError("this model has no tokenizer", param="messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return [tokenizer.apply_chat_template(messages)]
-
-
-def completion_prompts(state, body: CompletionRequest) -> list:
-    state.ready_engine()
+def prompts(state, body: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
+    """The prompts of one request, as the backend takes them."""
+    backend = state.ready()
+    if isinstance(body, ChatCompletionRequest):
+        return [backend.prepare(Chat([{"role": m.role, "content": m.text()}
+                                      for m in body.messages]))]
     p = body.prompt
-    prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    if not prompts or any(len(x) == 0 for x in prompts):
+    found = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+    if not found or any(len(x) == 0 for x in found):
         raise InvalidRequestError("prompt must not be empty", param="prompt")
-    return prompts
-
-
-def validation_error(errors: list) -> InvalidRequestError:
-    """The first of pydantic's errors as one clear message naming the parameter."""
-    first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message, param = "the request body is not valid JSON", None
-    return InvalidRequestError(f"{param}: {message}" if param else message, param=param)
+    return [backend.prepare(x) for x in found]
 
 
 async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -> tuple[int, dict]:
     """One batch line, run whole in the batch tier: (HTTP status, response body). Errors
     become the body the HTTP route would have answered, so a bad line fails alone."""
-    from tierserve.server.app import error_response
-
     kind, model = KINDS[endpoint]
     try:
         try:
@@ -61,38 +45,38 @@ async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -
         if body.stream:
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
         state.check_model(body.model)
-        prompts = chat_prompts(state, body) if kind == "chat" else completion_prompts(state, body)
-        run, tier = await start(state, body, prompts, tenant, tier="batch", tags=tags,
+        found = prompts(state, body)
+        run, tier = await start(state, body, found, tenant, tier=Tier.BATCH, tags=tags,
                                 queue_limit=False)
-        result, _ = await collect(state, run, kind, tier, len(prompts))
+        result, _ = await collect(state, run, kind, tier, len(found))
         return 200, result
     except TierserveError as exc:
-        response = error_response(exc)
-        return response.status_code, json.loads(response.body)
+        return error_body(exc)
 
 
-async def start(state, body, prompts: list, tenant: Tenant, tier: str | None = None,
+async def start(state, body, prompts: list, tenant: Tenant, tier: Tier | None = None,
                 tags: dict | None = None, queue_limit: bool = True) -> tuple["ChoiceRun", str]:
-    """Admit the request and add every choice to the engine; `tier` None: from the body."""
+    """Admit the request and add every choice to the backend; `tier` None: from the body.
+    Returns the run and the name of the tier that serves it."""
     if body.n > state.settings.max_n:
         raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
-    engine = state.ready_engine()
-    requested = tier or ("default" if body.service_tier in (None, "auto") else body.service_tier)
-    tier = state.engine.served_tier(tier) if tier else state.tier_for(body.service_tier, tenant)
+    backend = state.ready()
+    asked = tier if tier is not None else state.tier_for(body.service_tier, tenant)
+    served = backend.served_tier(asked).label
     state.recorder.check_budget(tenant.name)
     params = [body.sampling_params(i) for i in range(body.n)]
-    state.admission.admit(tier, len(prompts) * body.n, enforce=queue_limit)
-    run = ChoiceRun(state, engine, tier, expected=len(prompts) * body.n)
+    state.admission.admit(served, len(prompts) * body.n, enforce=queue_limit)
+    run = ChoiceRun(state, backend, served, expected=len(prompts) * body.n)
     try:
         for prompt in prompts:
             for p in params:
-                request_id = await run.add(prompt, p, body.priority)
-                state.recorder.register(request_id, tenant.name, requested,
+                request_id = await run.add(prompt, p, asked, body.priority)
+                state.recorder.register(request_id, tenant.name, asked.label,
                                         {**(body.metadata or {}), **(tags or {})})
     except Exception:
         run.close()
         raise
-    return run, tier
+    return run, served
 
 
 async def collect(state, run: "ChoiceRun", kind: str, tier: str,
@@ -159,16 +143,19 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
             outputs = [finals[i] for i in range(len(run.request_ids))]
             yield fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)
         yield "data: [DONE]\n\n"
+    except Exception as exc:  # under way: the stream ends with an error event, not a cut
+        status, body = error_body(exc)
+        yield fmt.sse(body)
     finally:
         run.close()  # a client that left aborts whatever is still running
 
 
 class ChoiceRun:
-    """The engine requests behind one HTTP request (n choices x prompts), merged into one
+    """The backend requests behind one HTTP request (n choices x prompts), merged into one
     stream of (choice index, output); keeps admission counts right whatever happens."""
 
-    def __init__(self, state, engine: AsyncEngine, tier: str, expected: int):
-        self.state, self.engine, self.tier = state, engine, tier
+    def __init__(self, state, backend: Backend, tier: str, expected: int):
+        self.state, self.backend, self.tier = state, backend, tier
         self.expected = expected
         """Admission slots taken for this run: one per choice, added or not."""
         self.request_ids: list[str] = []
@@ -176,8 +163,8 @@ class ChoiceRun:
         self._done: set[str] = set()
         self._closed = False
 
-    async def add(self, prompt, params, priority: int = 0) -> str:
-        rid = await self.engine.add_request(prompt, params, tier=self.tier, priority=priority)
+    async def add(self, prompt: Prompt, params, tier: Tier, priority: int = 0) -> str:
+        rid = await self.backend.submit(prompt, params, tier, priority)
         self.request_ids.append(rid)
         return rid
 
@@ -186,7 +173,7 @@ class ChoiceRun:
 
         async def pump(index: int, rid: str):
             try:
-                async for out in self.engine.stream(rid):
+                async for out in self.backend.stream(rid):
                     queue.put_nowait((index, out))
             except Exception as exc:
                 queue.put_nowait((index, exc))
@@ -211,7 +198,8 @@ class ChoiceRun:
 
     def _account(self, rid: str, out) -> None:
         adm = self.state.admission
-        if out.delta_token_ids and rid not in self._started:
+        started = out.metrics is not None and out.metrics.first_token_time is not None
+        if started and rid not in self._started:
             self._started.add(rid)
             adm.started(self.tier)
         if out.finished and rid not in self._done:
@@ -225,7 +213,7 @@ class ChoiceRun:
         self._closed = True
         for rid in self.request_ids:
             if rid not in self._done:
-                self.engine.abort(rid)
+                self.backend.abort(rid)
                 self._done.add(rid)
                 self.state.admission.finished(self.tier, rid in self._started)
         for _ in range(self.expected - len(self.request_ids)):  # never added (an error)

@@ -7,7 +7,7 @@ server knows. Each app has its own registry.
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tierserve.engine.stats import RequestStats, StepStats
+from tierserve.core.stats import RequestStats, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0, 120.0)

@@ -15,8 +15,11 @@ def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: str | None =
     """Prompt tokens count once per distinct prompt; timing is the slowest choice's."""
     per_prompt = len(outputs) // max(num_prompts, 1)
     firsts = outputs[::max(per_prompt, 1)]
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in firsts)
-    completion = sum(len(o.outputs[0].token_ids) for o in outputs)
+    # From the stats: a remote replica's outputs carry counts, not token ids.
+    prompt_tokens = sum(o.metrics.num_prompt_tokens if o.metrics else len(o.prompt_token_ids)
+                        for o in firsts)
+    completion = sum(o.metrics.num_output_tokens if o.metrics else len(o.outputs[0].token_ids)
+                     for o in outputs)
     stats = [o.metrics for o in outputs if o.metrics is not None]
     cached = sum(o.metrics.num_cached_tokens for o in firsts if o.metrics is not None)
 

@@ -11,8 +11,14 @@ import sys
 
 from tierserve.errors import ConfigError, TierserveError
 
+DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "sim",
+                                   "profiles", "cpu", "smollm2-135m.json")
+"""`tierserve calibrate` (the forward pass, as the engine meters by) of SmolLM2-135M on the 2-core dev machine: how fleet
+mode splits a CPU replica's cost when no --step-time-profile is given."""
+
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
-                  "slo", "prices", "budgets", "max_file_bytes", "max_batch_lines"}
+                  "slo", "prices", "budgets", "max_file_bytes", "max_batch_lines", "fleet",
+                  "backends"}
 
 
 def load_yaml(path: str) -> dict:
@@ -30,16 +36,18 @@ def load_yaml(path: str) -> dict:
     return data
 
 
-def merge_config(args, parser, data: dict) -> dict:
-    """Copy YAML values onto args wherever the flag was left at its default."""
-    serve_parser = parser._subparsers._group_actions[0].choices["serve"]
+def merge_config(args, data: dict) -> dict:
+    """Copy YAML values onto args wherever the command line did not give the setting."""
+    from tierserve.engine_args import explicit
+
+    given = explicit(args)
     extra = {}
     for key, value in data.items():
         key = key.replace("-", "_")
         if key in _SETTINGS_ONLY:
             extra[key] = value
         elif key == "model" or hasattr(args, key):
-            if getattr(args, key) == serve_parser.get_default(key):
+            if key not in given:
                 setattr(args, key, value)
         else:
             raise ConfigError(f"unknown setting {key!r} in the config file")
@@ -55,21 +63,25 @@ def default_model_name(model: str | None, load_format: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def build(args, parser):
-    from tierserve.cli import engine_config_from_args
+def build(args):
+    from tierserve.engine_args import engine_config_from_args, mark_explicit
     from tierserve.server.settings import ServerSettings
 
     if args.model_pos is not None:
         args.model = args.model_pos
-    extra = merge_config(args, parser, load_yaml(args.config)) if args.config else {}
+        mark_explicit(args, "model")
+    extra = merge_config(args, load_yaml(args.config)) if args.config else {}
     settings = ServerSettings(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
         api_keys=ServerSettings.parse_api_keys(extra.get("api_keys", {})),
         strict_tiers=bool(extra.get("strict_tiers", False)), ledger=args.ledger,
+        database=args.database,
         hardware=args.hardware, machine_price_per_hour=args.machine_price_per_hour,
         prices=ServerSettings.parse_prices(extra.get("prices", {})),
         budgets=ServerSettings.parse_budgets(extra.get("budgets", {})),
-        data_dir=args.data_dir, batch_max_in_flight=args.batch_max_in_flight)
+        data_dir=args.data_dir, batch_max_in_flight=args.batch_max_in_flight,
+        backends=ServerSettings.parse_backends(args.backend or extra.get("backends", [])),
+        fleet=ServerSettings.parse_fleet(extra.get("fleet", {})))
     if "queue_limits" in extra:
         settings.queue_limits.update(extra["queue_limits"])
     for key in ("max_body_bytes", "max_n", "max_file_bytes", "max_batch_lines"):
@@ -81,8 +93,51 @@ def build(args, parser):
         from tierserve.llm import parse_slo
         config.tiers.slo = parse_slo(extra["slo"])
     config.validate()
-    name = settings.served_model_name or default_model_name(args.model, args.load_format)
+    name = settings.served_model_name or (
+        settings.backends[0].models[0] if settings.backends and settings.backends[0].models
+        else default_model_name(args.model, args.load_format))
     return settings, config, name
+
+
+def build_fleet(settings, config, name: str, say):
+    """Fleet mode's backend: the replicas, the gateway's flow control (its SLO signal is
+    the priority tier's), a step-time model to split each replica's cost (a calibrated
+    profile, the shipped CPU profile, or a GPU roofline of the model's shape) and a
+    tokenizer to count prompt tokens."""
+    from dataclasses import replace
+
+    from tierserve.core.step_time import StepTimeModel
+    from tierserve.router.fleet import FleetBackend
+
+    mc, tiers = config.model, config.tiers
+    if tiers.step_time_profile:
+        model = StepTimeModel.load(tiers.step_time_profile)
+    elif settings.hardware == "cpu-local":
+        model = StepTimeModel.load(DEFAULT_CPU_PROFILE)
+    else:
+        from tierserve.model.metadata import default_model_path, resolve
+        from tierserve.sim.fleet import machine_for
+
+        shape = resolve(mc.model or default_model_path())
+        model = machine_for(shape, settings.hardware).model
+    slo = tiers.slo.get("priority")
+    flow = replace(settings.fleet, flex_max_wait_s=config.scheduler.flex_max_wait_s,
+                   priority_ttft_s=settings.fleet.priority_ttft_s or (slo and slo.ttft_s),
+                   priority_tpot_s=settings.fleet.priority_tpot_s or (slo and slo.tpot_s))
+    tokenizer = None
+    source = mc.tokenizer or (mc.model if mc.load_format != "dummy" else None)
+    try:
+        from tierserve.model.metadata import default_model_path
+        from tierserve.model.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.load(source or default_model_path())
+    except Exception as exc:  # counting falls back to an estimate; said once, here
+        if mc.tokenizer:
+            raise ConfigError(f"cannot load the tokenizer {mc.tokenizer}: {exc}") from None
+        say(f"no tokenizer ({exc}); prompt tokens are estimated until replicas report them")
+    say(f"fleet mode: {len(settings.backends)} replica(s) "
+        f"({', '.join(f'{s.name}={s.url} ({s.kind})' for s in settings.backends)})")
+    return FleetBackend(settings.backends, name, model, flow, tiers.slo, tokenizer)
 
 
 async def build_engines(config, say):
@@ -115,18 +170,20 @@ async def build_engines(config, say):
     main_cfg = copy.deepcopy(fast_cfg)
     main_cfg.scheduler = copy.deepcopy(config.scheduler)
     main_cfg.scheduler.priority_step_time_s = 0  # no priority requests reach it
+    fast = await one(fast_cfg, "fast")
     say(f"dedicated deployment: a priority engine with max_num_seqs "
         f"{fast_cfg.scheduler.max_num_seqs}, beside one for the other tiers; "
         f"{torch.get_num_threads()} threads each")
-    return DedicatedEngines(await one(fast_cfg, "fast"), await one(main_cfg, "main"))
+    return DedicatedEngines(fast, await one(main_cfg, "main"))
 
 
-def serve(args, parser) -> int:
+def serve(args) -> int:
     import uvicorn
 
+    from tierserve.router.local import LocalBackend
     from tierserve.server.app import create_app
 
-    settings, config, name = build(args, parser)
+    settings, config, name = build(args)
     app = create_app(None, settings, name)
     state = app.state.tierserve
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
@@ -142,14 +199,18 @@ def serve(args, parser) -> int:
             await asyncio.sleep(0.05)
         say(f"listening on {url} (loading {name}; /health says 503 until ready)")
         try:
-            engine = await build_engines(config, say)
+            if settings.backends:
+                backend = build_fleet(settings, config, name, say)
+                what = f"{len(settings.backends)} replica(s) behind the gateway"
+            else:
+                backend = LocalBackend(await build_engines(config, say))
+                what = f"{config.tiers.deployment} deployment, {config.scheduler.policy} policy"
         except Exception as exc:  # report and stop the server
             failure.append(exc)
             server.should_exit = True
             return
-        state.attach(engine)
-        say(f"ready: serving {name} at {url}/v1 ({config.tiers.deployment} deployment, "
-            f"{config.scheduler.policy} policy)")
+        state.attach(backend)
+        say(f"ready: serving {name} at {url}/v1 ({what})")
 
     async def main() -> None:
         task = asyncio.create_task(load())

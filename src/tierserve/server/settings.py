@@ -13,14 +13,14 @@ Loaded from flags and from a YAML file whose keys mirror the flags (`--max-num-s
 import ipaddress
 from dataclasses import dataclass, field
 
+from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError
 from tierserve.metering.prices import PriceList, machine_price
 from tierserve.metering.recorder import Budget
+from tierserve.router.flow import FlowConfig
+from tierserve.router.remote import ReplicaSpec
 
-TIERS = ("priority", "default", "flex", "batch")
-"""Best first."""
-REQUEST_TIERS = ("auto", "default", "flex", "priority")
-"""What `service_tier` may say on the wire (batch comes only from /v1/batches)."""
+TIERS = TIER_NAMES
 
 
 @dataclass
@@ -55,6 +55,9 @@ class ServerSettings:
     """Largest `n` (choices per request)."""
     ledger: str | None = None
     """SQLite ledger path; None: no ledger (the CLI defaults to the user's data dir)."""
+    database: str | None = None
+    """A postgresql:// URL: the ledger and the batch queue live there (several gateways
+    share them) instead of in SQLite files."""
     hardware: str = "cpu-local"
     """Machine price profile (metering.prices.MACHINE_PRICE_PER_HOUR)."""
     machine_price_per_hour: float | None = None
@@ -72,12 +75,25 @@ class ServerSettings:
     """Most requests in one batch file; beyond: 400."""
     batch_max_in_flight: int | None = None
     """Batch lines in the engine at once; None: twice max_num_seqs."""
+    backends: list = field(default_factory=list)
+    """Fleet mode: remote replicas (router.remote.ReplicaSpec); empty: the in-process
+    engine."""
+    fleet: FlowConfig = field(default_factory=FlowConfig)
+    """Fleet mode's flow control (router.flow.FlowConfig)."""
+
+    @property
+    def ledger_target(self) -> str | None:
+        """Where the ledger is written: the database if given, else the SQLite file."""
+        return self.database or self.ledger
 
     @property
     def price_per_hour(self) -> float:
         return machine_price(self.hardware, self.machine_price_per_hour)
 
     def validate(self) -> None:
+        if self.database is not None and not self.database.startswith(("postgresql://",
+                                                                        "postgres://")):
+            raise ConfigError(f"database must be a postgresql:// URL, got {self.database!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if not self.api_keys and not _is_loopback(self.host):
@@ -99,6 +115,27 @@ class ServerSettings:
                 (self.batch_max_in_flight is not None and self.batch_max_in_flight < 1):
             raise ConfigError("max_file_bytes, max_batch_lines and batch_max_in_flight must "
                               "be positive")
+
+    @staticmethod
+    def parse_backends(raw: list) -> list[ReplicaSpec]:
+        """`--backend URL` (repeatable) or YAML `backends:` (URLs or mappings)."""
+        if not isinstance(raw, list):
+            raise ConfigError(f"backends: expected a list, got {raw!r}")
+        specs = [ReplicaSpec.parse(item, i) for i, item in enumerate(raw)]
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"backends: replica names must differ, got {names}")
+        return specs
+
+    @staticmethod
+    def parse_fleet(raw: dict) -> FlowConfig:
+        """YAML `fleet: {reserved_priority_seqs: 4, decrease: 0.7, ...}` (FlowConfig)."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"fleet: expected a mapping, got {raw!r}")
+        unknown = set(raw) - set(FlowConfig.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"fleet: unknown key {sorted(unknown)[0]!r}")
+        return FlowConfig(**raw)
 
     @staticmethod
     def parse_budgets(raw: dict) -> dict[str, Budget]:
@@ -147,9 +184,9 @@ def _is_loopback(host: str) -> bool:
 
 
 def resolve_tier(requested: str | None, tenant: Tenant) -> str | None:
-    """The tier a request runs in: the requested one if allowed, else the nearest allowed
-    tier below it (cheaper), else the nearest above. None if the tenant has no tier.
-    `auto` (and no value) asks for `default`."""
+    """The tier a request runs in, by name: the requested one if allowed, else the nearest
+    allowed tier below it (cheaper), else the nearest above. None if the tenant has no
+    tier. `auto` (and no value) asks for `default`."""
     want = "default" if requested in (None, "auto") else requested
     if want in tenant.tiers:
         return want

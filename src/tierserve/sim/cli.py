@@ -4,9 +4,9 @@ fast-vs-batch`) and `tierserve plan` (the capacity planner built on it)."""
 import sys
 import time
 
+from tierserve.core.request import TIER_NAMES as TIERS
 from tierserve.errors import TierserveError
 
-TIERS = ("priority", "default", "flex", "batch")
 BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
 
 
@@ -65,8 +65,13 @@ def resolve_policy(policy: str, deployment: str | None) -> tuple[str, str]:
 
 def cmd_sim(args) -> int:
     from tierserve.config import SchedulerConfig
-    from tierserve.model.shapes import resolve
-    from tierserve.sim.fleet import FleetConfig, machine_for, make_simulator, step_time_limit
+    from tierserve.model.metadata import resolve
+    from tierserve.sim.fleet import (
+        FleetConfig,
+        machine_for,
+        make_simulator,
+        step_time_limit,
+    )
     from tierserve.sim.report import plot, render, summarize
     from tierserve.sim.workload import make_workload
 
@@ -131,7 +136,7 @@ def _fast_vs_batch(args, machine, policy: str) -> int:
 
 
 def cmd_plan(args) -> int:
-    from tierserve.model.shapes import resolve
+    from tierserve.model.metadata import resolve
     from tierserve.sim.plan import Planner, render
     from tierserve.sim.workload import make_workload
 

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.clock import ManualClock
+from tierserve.core.engine_core import EngineCore
 from tierserve.core.request import Request, Tier
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from tierserve.core.stats import RequestStats
 from tierserve.core.step_time import StepTimeModel
-from tierserve.engine.stats import RequestStats
 from tierserve.errors import ConfigError
 from tierserve.metering.cost import CostMeter
 from tierserve.sim.workload import ClosedLoop, SimRequest
@@ -71,8 +72,9 @@ class SimResult:
 
 
 class Replica:
-    """One engine: its scheduler, block manager and cost meter, its step in flight, and
-    what a router reads (the tiers it takes, its outstanding tokens)."""
+    """One engine: the engine's own core (scheduler, block manager, step bookkeeping) with
+    a cost meter as its metering, its step in flight, and what a router reads (the tiers
+    it takes, its outstanding tokens)."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, model: StepTimeModel, price_per_hour: float,
@@ -83,21 +85,22 @@ class Replica:
         scheduler plans with and the cost meter splits by, as an engine's calibration is.
         Given apart (an engine's forward-pass model beside a whole-step one), the
         scheduler learns their measured/predicted ratio as the engine's does."""
-        config.validate()
         plan_model = plan_model or model
         self.name = name
         self.tiers = tiers
         """Tiers a router may send here; None: every tier."""
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
-                                          evict_by_tier=config.policy == "tiered")
-        self.scheduler = Scheduler(config, self.block_manager, max_model_len,
-                                   step_time_model=plan_model,
-                                   step_time_limit_s=step_time_limit_s)
+        self.core = EngineCore(config, num_blocks, block_size, max_model_len,
+                               enable_prefix_caching, step_time_model=plan_model,
+                               step_time_limit_s=step_time_limit_s)
+        self.scheduler, self.block_manager = self.core.scheduler, self.core.block_manager
         self.model = model
         self.same_model = plan_model is model
         self.max_model_len = max_model_len
         self.meter = CostMeter(price_per_hour, work_model=plan_model,
                                reserved_fraction=reserved_fraction)
+        self.core.metering = self.meter
+        if tiers is not None and len(tiers) == 1:
+            self.core.dedicated_tier = Tier.parse(next(iter(tiers)))
         self.busy = False
         self.stalled = False
         """It planned an empty step with work waiting and got a wake-up event."""
@@ -120,11 +123,12 @@ class Replica:
                         for r in self.scheduler.running)
         return self._open_tokens - prefilled
 
-    def add(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add(self, request: Request, asked: Tier | None = None) -> RequestStats:
+        stats = self.core.add(request, asked)
         self.request_ids.append(request.request_id)
         self._tokens_of[request.request_id] = request.num_prompt_tokens + request.max_tokens
         self._open_tokens += request.num_prompt_tokens + request.max_tokens
+        return stats
 
     def forget(self, request_id: str, num_output_tokens: int) -> None:
         """A request finished: it no longer counts as outstanding."""
@@ -160,7 +164,6 @@ class Simulator:
         self.clock = ManualClock()
         self._events: list = []
         self._seq = itertools.count()
-        self._stats: dict[str, RequestStats] = {}
         self._done: list[RequestStats] = []
         self._user_of: dict[str, int] = {}
         self._ids = itertools.count()
@@ -223,17 +226,17 @@ class Simulator:
         # A unique token right after the shared prefix: no accidental prefix-cache hits.
         prompt = list(range(10, 10 + prefix)) + [100_000 + i] + [5] * (prompt_len - prefix - 1)
         now = self.clock.now()
+        asked = Tier.parse(req.tier)
         replica.add(Request(rid, prompt, output, arrival_time=now, ignore_eos=True,
-                            tier=Tier.parse(req.tier)))
-        self._stats[rid] = RequestStats(rid, now, tier=req.tier, num_prompt_tokens=prompt_len)
+                            tier=replica.core.served_tier(asked)), asked)
         if user is not None:
             self._user_of[rid] = user
 
     def _start_step(self, replica: Replica) -> None:
         now = self.clock.now()
-        out = replica.scheduler.schedule(now)
-        for rid in out.refused_ids:
-            self._finish(replica, rid, "refused", now, None)
+        out, refused = replica.core.plan(now)
+        for request in refused:
+            self._finish(replica, request, now)
         if out.is_empty:
             if replica.scheduler.has_unfinished() and not self._events:
                 guard_s = replica.scheduler.config.priority_guard_s
@@ -249,49 +252,31 @@ class Simulator:
             duration = out.predicted_s  # the scheduler's own prediction
         else:
             duration = replica.model.predict_s(seqs)
-            if out.predicted_s is not None:  # as the engine does after each step
-                replica.scheduler.observe_step_time(out.predicted_s, duration)
-        for s in out.seqs:
-            stats = self._stats[s.request_id]
-            if stats.first_scheduled_time is None:
-                stats.first_scheduled_time = now
-        replica.meter.record_step(now, duration, [
-            (s.request_id, n, ctx, s.is_decode) for s, (n, ctx) in zip(out.seqs, seqs)])
         replica.busy = True
         replica.busy_s += duration
         replica.num_steps += 1
-        self._push(now + duration, STEP_DONE, (replica, out))
+        self._push(now + duration, STEP_DONE, (replica, out, now, duration))
 
-    def _complete(self, replica: Replica, out: SchedulerOutput,
-                  closed: ClosedLoop | None) -> None:
+    def _complete(self, replica: Replica, out: SchedulerOutput, start: float,
+                  duration: float, closed: ClosedLoop | None) -> None:
         replica.busy = False
         now = self.clock.now()
         sampled = {s.request_id: TOKEN for s in out.seqs if s.sample}
-        for request in replica.scheduler.update(out, RunnerOutput(sampled)):
-            stats = self._stats[request.request_id]
-            if stats.first_token_time is None:
-                stats.first_token_time = now
-            stats.token_times.append(now)
+        # The engine's bookkeeping; a step timed by the plan model itself teaches the cap
+        # nothing (measured == predicted), as in the engine before this reshaping.
+        touched = replica.core.apply(out, RunnerOutput(sampled), start, now,
+                                     measured_s=duration)
+        for request in touched:
             if request.is_finished:
-                self._finish(replica, request.request_id, request.status.finish_reason, now,
-                             request)
+                self._finish(replica, request, now)
                 user = self._user_of.pop(request.request_id, None)
                 if closed and user is not None and self._queue:
                     self._push(now + closed.think_s, ARRIVAL, (self._queue.pop(), user))
         replica.kv_sum += replica.block_manager.usage
 
-    def _finish(self, replica: Replica, rid: str, reason: str, now: float,
-                request: Request | None) -> None:
-        stats = self._stats.pop(rid)
-        stats.finished_time = now
-        stats.finish_reason = reason
-        if request is not None:
-            stats.num_output_tokens = request.num_output_tokens
-            stats.num_cached_tokens = max(request.num_cached_tokens, 0)
-            stats.num_preemptions = request.num_preemptions
-            stats.num_recomputed_tokens = request.num_recomputed_tokens
-        replica.forget(rid, stats.num_output_tokens)
-        replica.meter.on_request_finished(stats)
+    def _finish(self, replica: Replica, request: Request, now: float) -> None:
+        stats = replica.core.finish(request, now)
+        replica.forget(request.request_id, stats.num_output_tokens)
         self._done.append(stats)
 
     # ------------------------------------------------------------- result

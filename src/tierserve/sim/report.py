@@ -3,11 +3,10 @@ its plots; and the fast-vs-batch report."""
 
 import json
 
-from tierserve.engine.stats import percentile as pct
+from tierserve.core.request import TIER_NAMES as TIER_ORDER
+from tierserve.core.stats import percentile as pct
 from tierserve.metering.prices import PriceList
 from tierserve.sim.loop import SimResult
-
-TIER_ORDER = ("priority", "default", "flex", "batch")
 
 
 def summarize(result: SimResult, slo: dict | None = None,

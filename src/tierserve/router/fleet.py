@@ -1,0 +1,375 @@
+"""Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
+checks, retries and metering.
+
+NOTE: one request's life
+    `submit` queues it at the gateway (router/flow.py decides when and where it goes); the
+    dispatcher sends it and streams the replica's chunks back as RequestOutputs, feeding
+    the replica's meter (metering/estimate.py) and the gateway's latency signal. A replica
+    that fails before the request's first token: the request goes back to the head of its
+    queue, once, excluding that replica. After a token: the stream ends with an error
+    (nothing can be replayed without sending text twice). Whatever happens, the request
+    finishes exactly once: its cost (every attempt's) is billed once and its slot freed.
+
+NOTE: health
+    Each replica's /health is polled every `health_interval_s`, and vLLM's /metrics (KV
+    use, waiting queue) scraped with it. A failed poll or a broken request takes the
+    replica out of the rotation; the next good poll brings it back.
+"""
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tierserve.core.clock import Clock
+from tierserve.core.request import Tier
+from tierserve.core.stats import RequestCost, RequestStats
+from tierserve.core.step_time import StepTimeModel
+from tierserve.engine.outputs import CompletionOutput, RequestOutput
+from tierserve.errors import ReplicaUnavailableError, TierserveError, UpstreamError
+from tierserve.metering.estimate import ReplicaMeter
+from tierserve.router import remote
+from tierserve.router.backend import Chat, Load, Prompt
+from tierserve.router.flow import FlowConfig, Gateway, Pending, ReplicaState, prefix_keys
+from tierserve.sampling_params import SamplingParams
+
+log = logging.getLogger("tierserve.fleet")
+
+KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+              "tierserve_kv_cache_usage_ratio")
+WAITING_METRICS = ("vllm:num_requests_waiting",)
+CHARS_PER_TOKEN = 4
+"""Prompt length estimate for text when the gateway has no tokenizer."""
+
+
+@dataclass(eq=False)
+class _Request:
+    pending: Pending
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+    stats: RequestStats
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    text: str = ""
+    attempts: int = 0
+    cost: RequestCost = field(default_factory=RequestCost)
+    exact_cost: float | None = None
+    """Machine cost a tierserve replica reported (USD), to check the estimate."""
+    task: asyncio.Task | None = None
+    done: bool = False
+
+
+class FleetBackend:
+    def __init__(self, specs: list[remote.ReplicaSpec], model_name: str,
+                 work_model: StepTimeModel, flow: FlowConfig | None = None, slo=None,
+                 tokenizer=None, clock: Clock | None = None, health_interval_s: float = 2.0,
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
+        """`work_model`: the step-time model of one replica (splits its cost);
+        `tokenizer`: counts prompt tokens for routing and metering (else estimated)."""
+        self.specs = {s.name: s for s in specs}
+        self.model_name = model_name
+        self.work_model = work_model
+        self.slo = dict(slo or {})
+        self.tokenizer = tokenizer
+        self.clock = clock or Clock()
+        self.health_interval_s = health_interval_s
+        self.gateway = Gateway([ReplicaState(s.name, s.max_num_seqs) for s in specs],
+                               flow or FlowConfig())
+        self.max_model_len = None
+        self.max_num_seqs = sum(s.max_num_seqs for s in specs)
+        self.meters: dict[str, ReplicaMeter] = {}
+        self.recorder = self.sink = None
+        self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self._client: httpx.AsyncClient | None = None
+        self._requests: dict[str, _Request] = {}
+        self.cost_checks: deque[tuple[float, float]] = deque(maxlen=10_000)
+        """(estimated, exact) machine cost of recent requests whose replica reported its
+        exact cost (kind tierserve): how good the estimate is."""
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    # ------------------------------------------------------------ Backend
+    @property
+    def errored(self) -> BaseException | None:
+        if any(r.healthy for r in self.gateway.replicas):
+            return None
+        return ReplicaUnavailableError("no replica is healthy")
+
+    def served_tier(self, tier: Tier) -> Tier:
+        return tier
+
+    def prepare(self, prompt: Prompt) -> Prompt:
+        return prompt
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
+                     priority: int = 0) -> str:
+        self._start()
+        if not any(r.takes(tier) for r in self.gateway.replicas):
+            raise ReplicaUnavailableError("no healthy replica can take this request now")
+        rid = f"fleet-{next(self._ids)}"
+        now = self.clock.now()
+        tokens = self._tokens(prompt)
+        n = len(tokens) if tokens is not None else max(1, self._chars(prompt) // CHARS_PER_TOKEN)
+        max_tokens = params.max_tokens or 256
+        pending = Pending(rid, tier, n, max_tokens, now,
+                          prefix_keys(tokens if tokens is not None else self._text(prompt)))
+        stats = RequestStats(rid, now, tier=tier.label, served_tier=tier.label,
+                             num_prompt_tokens=n)
+        self._requests[rid] = _Request(pending, prompt, params, priority, stats)
+        self.gateway.submit(pending)
+        self._wake.set()
+        return rid
+
+    async def stream(self, request_id: str):
+        req = self._requests[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.done:
+            return
+        if req.task is not None:
+            req.task.cancel()  # its own finally finishes it
+        elif self.gateway.remove(req.pending):
+            self._finish(req, "abort")
+
+    def load(self) -> Load:
+        running, waiting = {}, {}
+        for r in self.gateway.replicas:
+            for tier, n in r.in_flight.items():
+                running[tier.label] = running.get(tier.label, 0) + n
+        for tier, queue in self.gateway.queues.items():
+            if queue:
+                waiting[tier.label] = len(queue)
+        kv = [r.kv_usage for r in self.gateway.replicas if r.kv_usage is not None]
+        return Load(running, waiting, max(kv) if kv else None)
+
+    def meter(self, recorder, price_per_hour: float, sink) -> None:
+        from tierserve.metering.prices import machine_price
+
+        self.recorder, self.sink = recorder, sink
+        for name, spec in self.specs.items():
+            price = price_per_hour if spec.price_per_hour is None and spec.hardware is None \
+                else machine_price(spec.hardware or "cpu-local", spec.price_per_hour)
+            meter = ReplicaMeter(price, self.work_model)
+            self.meters[name] = meter
+            recorder.meters.append(meter)
+
+    async def stop(self) -> None:
+        for req in list(self._requests.values()):
+            self.abort(req.pending.request_id)
+        tasks = self._tasks + [r.task for r in self._requests.values() if r.task]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------ prompts
+    def _tokens(self, prompt: Prompt) -> list[int] | None:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            return None
+        if isinstance(prompt, Chat):
+            return self.tokenizer.apply_chat_template(prompt.messages)
+        return self.tokenizer.encode(prompt)
+
+    @staticmethod
+    def _text(prompt: Prompt) -> str:
+        if isinstance(prompt, Chat):
+            return "".join(f"{m['role']}:{m['content']}\n" for m in prompt.messages)
+        return prompt
+
+    def _chars(self, prompt: Prompt) -> int:
+        return len(self._text(prompt))
+
+    # ---------------------------------------------------------- dispatching
+    def _start(self) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._timeout,
+                                             limits=httpx.Limits(max_connections=None,
+                                                                 max_keepalive_connections=256))
+            self._tasks = [asyncio.create_task(self._dispatch()),
+                           *(asyncio.create_task(self._watch(r))
+                             for r in self.gateway.replicas)]
+
+    async def _dispatch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            released, refused = self.gateway.release(self.clock.now())
+            for pending, replica in released:
+                req = self._requests[pending.request_id]
+                req.task = asyncio.create_task(self._run(req, replica))
+            for pending in refused:
+                self._finish(self._requests[pending.request_id], "refused")
+            timer = loop.call_later(0.05 if self.gateway.num_queued else 1.0, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+
+    async def _run(self, req: _Request, replica: ReplicaState) -> None:
+        spec, meter = self.specs[replica.name], self.meters.get(replica.name)
+        rid, stats = req.pending.request_id, req.stats
+        req.attempts += 1
+        now = self.clock.now()
+        if stats.first_scheduled_time is None:
+            stats.first_scheduled_time = now
+        if meter is not None:
+            meter.start(rid, now, stats.num_prompt_tokens)
+        path, body = self._upstream(req, spec)
+        reason, retry, error = None, False, None
+        try:
+            async for chunk in remote.stream(self._client, spec, path, body):
+                reason = self._on_chunk(req, chunk, meter) or reason
+            reason = reason or "stop"
+        except asyncio.CancelledError:
+            reason = "abort"
+        except remote.ReplicaDown as exc:
+            log.warning("replica %s failed: %s", replica.name, exc)
+            replica.healthy = False
+            retry = stats.first_token_time is None and req.attempts < 2
+            error = ReplicaUnavailableError(f"the replica serving this request failed: {exc}")
+        except UpstreamError as exc:
+            error = exc
+        finally:
+            now = self.clock.now()
+            if meter is not None:
+                part = meter.finish(rid, now)
+                req.cost.prefill_cost += part.prefill_cost
+                req.cost.decode_cost += part.decode_cost
+                req.cost.num_steps += part.num_steps
+                req.cost.batch_size_sum += part.batch_size_sum
+            req.task = None
+            if retry and not req.done:
+                self.gateway.retry(req.pending)
+            else:
+                self.gateway.finished(req.pending, now, stats.ttft_s, stats.tpot_s)
+                if not req.done:
+                    self._finish(req, "error" if error else reason, error)
+            self._wake.set()
+
+    def _upstream(self, req: _Request, spec: remote.ReplicaSpec) -> tuple[str, dict]:
+        p = req.params
+        body = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
+        if p.top_k:
+            body["top_k"] = p.top_k
+        if p.min_tokens:
+            body["min_tokens"] = p.min_tokens
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.seed is not None:
+            body["seed"] = p.seed
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if isinstance(req.prompt, Chat):
+            path, body["messages"] = "/v1/chat/completions", req.prompt.messages
+        else:
+            path, body["prompt"] = "/v1/completions", req.prompt
+        return path, remote.upstream_body(spec, path, body, self.model_name,
+                                          req.pending.tier, req.priority)
+
+    def _on_chunk(self, req: _Request, chunk: dict, meter: ReplicaMeter | None) -> str | None:
+        now, stats = self.clock.now(), req.stats
+        reason = None
+        for choice in chunk.get("choices") or []:
+            text = choice.get("text")
+            if text is None:
+                text = (choice.get("delta") or {}).get("content")
+            reason = choice.get("finish_reason") or reason
+            if text:
+                if stats.first_token_time is None:
+                    stats.first_token_time = now
+                    self.gateway.first_token(req.pending, now)
+                stats.token_times.append(now)
+                if meter is not None:
+                    meter.tokens(req.pending.request_id, now)
+                req.text += text
+                req.queue.put_nowait(self._output(req, text, None))
+        usage = chunk.get("usage")
+        if usage:
+            stats.num_prompt_tokens = usage.get("prompt_tokens", stats.num_prompt_tokens)
+            stats.num_output_tokens = usage.get("completion_tokens", 0)
+            details = usage.get("prompt_tokens_details") or {}
+            stats.num_cached_tokens = details.get("cached_tokens") or 0
+            cost = usage.get("cost")
+            if isinstance(cost, dict) and "machine_usd" in cost:
+                req.exact_cost = (req.exact_cost or 0.0) + cost["machine_usd"]
+        return reason
+
+    def _output(self, req: _Request, delta: str, reason: str | None) -> RequestOutput:
+        finished = reason is not None
+        return RequestOutput(req.pending.request_id, None, [],
+                             [CompletionOutput(0, req.text, [], reason)], finished,
+                             delta, [], req.stats)
+
+    def _finish(self, req: _Request, reason: str, error: TierserveError | None = None) -> None:
+        """Account the request once: stats, bill, sinks, its last output or its error."""
+        req.done = True
+        stats = req.stats
+        stats.finished_time = self.clock.now()
+        stats.finish_reason = reason
+        if not stats.num_output_tokens:
+            stats.num_output_tokens = len(stats.token_times)
+        if req.exact_cost is not None:
+            self.cost_checks.append((req.cost.machine_cost, req.exact_cost))
+        if self.recorder is not None:
+            stats.cost = req.cost
+            stats.charge = self.recorder.finished(stats, req.cost)
+        if self.sink is not None:
+            self.sink.on_request_finished(stats)
+        self._requests.pop(req.pending.request_id, None)
+        req.queue.put_nowait(error if error is not None else self._output(req, "", reason))
+
+    # --------------------------------------------------------------- health
+    async def _watch(self, replica: ReplicaState) -> None:
+        spec = self.specs[replica.name]
+        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+        while True:
+            was = replica.healthy
+            try:
+                r = await self._client.get(spec.url + "/health", headers=headers,
+                                           timeout=self.health_interval_s)
+                replica.healthy = r.status_code == 200
+                if replica.healthy and spec.kind != "openai":
+                    self._scrape(replica, (await self._client.get(
+                        spec.url + "/metrics", headers=headers,
+                        timeout=self.health_interval_s)).text)
+            except httpx.HTTPError:
+                replica.healthy = False
+            if replica.healthy != was:
+                log.warning("replica %s is %s", replica.name,
+                            "back" if replica.healthy else "down")
+                self._wake.set()
+            await asyncio.sleep(self.health_interval_s)
+
+    @staticmethod
+    def _scrape(replica: ReplicaState, text: str) -> None:
+        kv, waiting = None, None
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in KV_METRICS:
+                    kv = max(kv or 0.0, sample.value)
+                elif sample.name in WAITING_METRICS:
+                    waiting = int((waiting or 0) + sample.value)
+        replica.kv_usage, replica.num_waiting = kv, waiting

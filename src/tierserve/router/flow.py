@@ -1,0 +1,290 @@
+"""Fleet mode's admission and routing: per-tier queues at the gateway, the replica each
+request goes to, and when cheaper work may be released. Plain Python with time passed in:
+the fleet backend (router/fleet.py) and the simulator (sim/loop.py) run this same code.
+
+NOTE: tiers over replicas the gateway does not schedule
+    A replica (vLLM, or any OpenAI-compatible server) schedules its own batch, and vLLM
+    does not preempt for a slot once `max_num_seqs` run. So the gateway keeps the fast
+    lane fast by holding cheaper work back rather than by preempting:
+      - priority requests go at once to the replica with the best score (below), over any
+        limit, with vLLM's `priority` field so the replica runs them first;
+      - default, flex and batch requests wait in the gateway's per-tier queues (tier
+        order, FIFO within a tier) and are released to a replica only while its in-flight
+        lower-tier requests stay under `limit`, which leaves slots free for priority;
+      - a flex request still queued after `flex_max_wait_s` is refused (429).
+
+NOTE: the limit (AIMD on the fast lane's measured latency)
+    Each replica's limit on in-flight lower-tier requests starts at its slot count less
+    the slots kept for priority. Every priority request that finishes on it is checked
+    against the priority SLO (TTFT and TPOT): a miss cuts the limit by `decrease`
+    (multiplicative), at most once per `cooldown_s`; a met SLO while lower-tier work
+    waits adds one slot (additive), up to the cap. With no priority traffic for
+    `idle_s` the limit returns to the cap, so lower tiers alone are never throttled.
+    AIMD is TCP's rule for sharing a link whose capacity is only seen through delay and
+    loss: here capacity is only seen through the fast lane's latency, the signal is noisy
+    (one slow prompt), and AIMD backs off fast on trouble and probes back slowly, which
+    keeps the limit stable rather than oscillating with each sample; a fixed cap is
+    either too tight (idle KV cache) or too loose (slow fast lane).
+
+NOTE: the score (lower is better), a predicted time to first token in tokens of work
+    queued prompt tokens the gateway sent and that have no first token yet
+    + the request's own prompt tokens not already cached there (prefix affinity: the
+      longest block-aligned prefix this replica was sent recently)
+    + `decode_weight` x requests decoding there (each slows every step a little)
+    + a penalty that grows with the replica's scraped KV-cache use and waiting queue
+    Ties go round-robin. Affinity is weighed against load by the same unit: a shared
+    prefix of P tokens is worth P tokens of queue.
+"""
+
+import itertools
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+from tierserve.core.request import Tier
+
+PREFIX_BLOCK = 64
+"""Tokens (or characters, for text prompts) per prefix-affinity block."""
+
+
+@dataclass
+class FlowConfig:
+    reserved_priority_seqs: int = 4
+    """Slots per replica that lower tiers leave free for priority requests."""
+    priority_ttft_s: float | None = None
+    """Priority TTFT target the limit adapts to (None: no TTFT signal)."""
+    priority_tpot_s: float | None = None
+    """Priority TPOT target the limit adapts to (None: no TPOT signal)."""
+    decrease: float = 0.7
+    """Multiplicative decrease of the limit on a priority SLO miss."""
+    min_limit: int = 1
+    """The limit never goes below this many lower-tier requests per replica."""
+    cooldown_s: float = 1.0
+    """At most one decrease per replica per this long (one burst, one cut)."""
+    idle_s: float = 10.0
+    """No priority request finished on a replica for this long: its limit is the cap."""
+    flex_max_wait_s: float = 60.0
+    """A flex request not released after this long is refused."""
+    decode_weight: float = 16.0
+    """Score tokens per request decoding on a replica."""
+    affinity: bool = True
+    """Prefer the replica that was sent the request's prefix."""
+    prefix_memory: int = 4096
+    """Prefix blocks remembered per replica (LRU)."""
+
+
+@dataclass(eq=False)
+class Pending:
+    """A request the gateway holds or has sent."""
+
+    request_id: str
+    tier: Tier
+    prompt_tokens: int
+    """Prompt length (an estimate where only text is known)."""
+    max_tokens: int
+    arrival: float
+    prefix_keys: list[int] = field(default_factory=list)
+    """Hashes of the prompt's leading blocks, cumulative (for affinity)."""
+    replica: "ReplicaState | None" = None
+    first_token: float | None = None
+    excluded: set = field(default_factory=set)
+    """Replicas not to use again (a retry after a failure)."""
+
+
+@dataclass(eq=False)
+class ReplicaState:
+    """What the gateway knows of one replica."""
+
+    name: str
+    max_num_seqs: int = 256
+    tiers: frozenset | None = None
+    """Tiers it takes (None: all)."""
+    healthy: bool = True
+    kv_usage: float | None = None
+    """Scraped from its /metrics, where it reports one."""
+    num_waiting: int | None = None
+    """Scraped: requests queued inside the replica."""
+    in_flight: Counter = field(default_factory=Counter)
+    """Requests the gateway has on it, by tier."""
+    prefilling_tokens: int = 0
+    decoding: int = 0
+    limit: float = 0.0
+    """In-flight lower-tier requests it may have (see the NOTE)."""
+    last_priority_s: float = float("-inf")
+    last_cut_s: float = float("-inf")
+    prefixes: OrderedDict = field(default_factory=OrderedDict, repr=False)
+
+    @property
+    def lower_in_flight(self) -> int:
+        return sum(n for tier, n in self.in_flight.items() if tier != Tier.PRIORITY)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(self.in_flight.values())
+
+    def takes(self, tier: Tier) -> bool:
+        return self.healthy and (self.tiers is None or tier.label in self.tiers)
+
+
+def prefix_keys(tokens_or_text) -> list[int]:
+    """Cumulative hashes of the leading PREFIX_BLOCK-sized blocks of a prompt."""
+    keys, h = [], 0
+    for start in range(0, len(tokens_or_text) - PREFIX_BLOCK + 1, PREFIX_BLOCK):
+        h = hash((h, tuple(tokens_or_text[start:start + PREFIX_BLOCK])))
+        keys.append(h)
+    return keys
+
+
+class Gateway:
+    """The per-tier queues and the release rule over a set of replicas."""
+
+    def __init__(self, replicas: list[ReplicaState], config: FlowConfig | None = None):
+        self.config = config or FlowConfig()
+        self.replicas = replicas
+        for r in replicas:
+            r.limit = self.cap(r)
+        self.queues: dict[Tier, deque[Pending]] = {t: deque() for t in Tier}
+        self._turn = itertools.count()
+
+    # ------------------------------------------------------------ queueing
+    def cap(self, replica: ReplicaState) -> int:
+        return max(self.config.min_limit,
+                   replica.max_num_seqs - self.config.reserved_priority_seqs)
+
+    def submit(self, request: Pending) -> None:
+        self.queues[request.tier].append(request)
+
+    def remove(self, request: Pending) -> bool:
+        """Take a request out of its queue (aborted before release)."""
+        try:
+            self.queues[request.tier].remove(request)
+            return True
+        except ValueError:
+            return False
+
+    @property
+    def num_queued(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def release(self, now: float) -> tuple[list[tuple[Pending, ReplicaState]], list[Pending]]:
+        """What may go now: (request, replica) pairs in release order, and the flex
+        requests refused for waiting too long."""
+        refused = self._refuse_overdue(now)
+        out = []
+        for tier in Tier:
+            queue = self.queues[tier]
+            while queue:
+                request = queue[0]
+                replica = self.pick(request, lower=tier != Tier.PRIORITY)
+                if replica is None:
+                    break  # FIFO within a tier: the head waits, so does the rest
+                queue.popleft()
+                self.sent(request, replica, now)
+                out.append((request, replica))
+        self._probe(now)
+        return out, refused
+
+    def _refuse_overdue(self, now: float) -> list[Pending]:
+        queue, refused = self.queues[Tier.FLEX], []
+        while queue and now - queue[0].arrival > self.config.flex_max_wait_s:
+            refused.append(queue.popleft())
+        return refused
+
+    # -------------------------------------------------------------- routing
+    def pick(self, request: Pending, lower: bool = True) -> ReplicaState | None:
+        """The best replica for `request` (None: none may take it now)."""
+        best, best_score = None, None
+        turn = next(self._turn)
+        n = len(self.replicas)
+        for i in range(n):
+            r = self.replicas[(turn + i) % n]  # round-robin among equal scores
+            if not r.takes(request.tier) or r.name in request.excluded:
+                continue
+            if lower and r.lower_in_flight >= r.limit:
+                continue
+            score = self.score(r, request)
+            if best_score is None or score < best_score:
+                best, best_score = r, score
+        return best
+
+    def score(self, r: ReplicaState, request: Pending) -> float:
+        cached = self.cached_tokens(r, request)
+        score = (r.prefilling_tokens + request.prompt_tokens - cached
+                 + self.config.decode_weight * r.decoding)
+        if r.kv_usage is not None and r.kv_usage > 0.8:
+            score *= 1 + 10 * (r.kv_usage - 0.8)
+        if r.num_waiting:
+            score += r.num_waiting * self.config.decode_weight * 4
+        return score
+
+    def cached_tokens(self, r: ReplicaState, request: Pending) -> int:
+        if not self.config.affinity:
+            return 0
+        matched = 0
+        for key in request.prefix_keys:
+            if key not in r.prefixes:
+                break
+            matched += 1
+        return matched * PREFIX_BLOCK
+
+    # ------------------------------------------------------ request events
+    def sent(self, request: Pending, replica: ReplicaState, now: float) -> None:
+        request.replica = replica
+        replica.in_flight[request.tier] += 1
+        replica.prefilling_tokens += request.prompt_tokens
+        for key in request.prefix_keys:
+            replica.prefixes[key] = None
+            replica.prefixes.move_to_end(key)
+        while len(replica.prefixes) > self.config.prefix_memory:
+            replica.prefixes.popitem(last=False)
+
+    def first_token(self, request: Pending, now: float) -> None:
+        r = request.replica
+        if r is None or request.first_token is not None:
+            return
+        request.first_token = now
+        r.prefilling_tokens -= request.prompt_tokens
+        r.decoding += 1
+
+    def finished(self, request: Pending, now: float, ttft_s: float | None = None,
+                 tpot_s: float | None = None) -> None:
+        """The request left its replica (done, aborted or failed); a priority request's
+        latency adjusts the replica's limit."""
+        r = request.replica
+        if r is None:
+            self.remove(request)
+            return
+        request.replica = None
+        r.in_flight[request.tier] -= 1
+        if request.first_token is None:
+            r.prefilling_tokens -= request.prompt_tokens
+        else:
+            r.decoding -= 1
+        if request.tier == Tier.PRIORITY and ttft_s is not None:
+            self.observe_priority(r, now, ttft_s, tpot_s)
+
+    def retry(self, request: Pending) -> None:
+        """Queue again at the head of its tier (a replica failed before a token)."""
+        if request.replica is not None:
+            request.excluded.add(request.replica.name)
+            self.finished(request, 0.0)
+        request.first_token = None
+        self.queues[request.tier].appendleft(request)
+
+    # ---------------------------------------------------------------- limit
+    def observe_priority(self, r: ReplicaState, now: float, ttft_s: float,
+                         tpot_s: float | None) -> None:
+        c = self.config
+        r.last_priority_s = now
+        missed = (c.priority_ttft_s is not None and ttft_s > c.priority_ttft_s) or (
+            c.priority_tpot_s is not None and tpot_s is not None and tpot_s > c.priority_tpot_s)
+        if missed:
+            if now - r.last_cut_s >= c.cooldown_s:
+                r.limit = max(c.min_limit, r.limit * c.decrease)
+                r.last_cut_s = now
+        elif self.num_queued and r.lower_in_flight >= r.limit - 1:
+            r.limit = min(self.cap(r), r.limit + 1)
+
+    def _probe(self, now: float) -> None:
+        for r in self.replicas:
+            if now - r.last_priority_s >= self.config.idle_s:
+                r.limit = self.cap(r)

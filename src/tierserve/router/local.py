@@ -1,0 +1,72 @@
+"""The in-process engine as a backend: one AsyncEngine (shared deployment) or the
+dedicated pair (router/dedicated.py)."""
+
+from collections import Counter
+
+from tierserve.core.request import RequestStatus, Tier
+from tierserve.engine.async_engine import AsyncEngine
+from tierserve.errors import InvalidRequestError
+from tierserve.router.backend import Chat, Load, Prompt
+from tierserve.router.dedicated import DedicatedEngines
+from tierserve.sampling_params import SamplingParams
+
+
+class LocalBackend:
+    def __init__(self, deployment: AsyncEngine | DedicatedEngines):
+        self.deployment = deployment
+        main = deployment.engine  # the batching engine stands for the deployment
+        self.engine = main
+        self.tokenizer = main.tokenizer
+        self.max_model_len = main.max_model_len
+        self.max_num_seqs = main.config.scheduler.max_num_seqs
+        self.slo = dict(main.config.tiers.slo)
+        self._sink = None
+
+    @property
+    def errored(self) -> BaseException | None:
+        return self.deployment.errored
+
+    def served_tier(self, tier: Tier) -> Tier:
+        return self.deployment.served_tier(tier)
+
+    def prepare(self, prompt: Prompt) -> Prompt:
+        if not isinstance(prompt, Chat):
+            return prompt
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer", param="messages")
+        return self.tokenizer.apply_chat_template(prompt.messages)
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
+                     priority: int = 0) -> str:
+        return await self.deployment.add_request(prompt, params, tier=tier, priority=priority)
+
+    def stream(self, request_id: str):
+        return self.deployment.stream(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.deployment.abort(request_id)
+
+    def load(self) -> Load:
+        running, waiting = Counter(), Counter()
+        usage = 0.0
+        for part in self.deployment.engines:
+            sched = part.engine.scheduler
+            for request in list(sched.requests.values()):  # one C call: safe mid-step
+                busy = request.status == RequestStatus.RUNNING and request.num_output_tokens
+                (running if busy else waiting)[request.tier.label] += 1
+            usage = max(usage, part.engine.block_manager.usage)
+        return Load(dict(running), dict(waiting), usage)
+
+    def meter(self, recorder, price_per_hour: float, sink) -> None:
+        self._sink = sink
+        for part in self.deployment.engines:
+            sched = part.engine.config.scheduler
+            reserved = 1.0 if part is not self.deployment.engines[-1] else \
+                sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
+            recorder.attach(part.engine, price_per_hour, reserved)
+            part.engine.add_sink(sink)
+
+    async def stop(self) -> None:
+        await self.deployment.stop()
+        for part in self.deployment.engines:  # the engine may outlive a server (tests)
+            part.engine.remove_sink(self._sink)

@@ -1,0 +1,136 @@
+"""Remote replicas: what the gateway is told of each (`ReplicaSpec`), and one streamed
+request to a replica over its OpenAI-compatible HTTP API.
+
+A replica is vLLM (`kind: vllm`, started with `--scheduling-policy priority` so the
+gateway's `priority` field orders its queue; lower runs first), another tierserve
+(`kind: tierserve`, which takes the tier itself as `service_tier` and reports its exact
+cost), or any OpenAI-compatible server (`kind: openai`: neither field is sent).
+"""
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from tierserve.core.request import Tier
+from tierserve.errors import ConfigError, UpstreamError
+
+KINDS = ("vllm", "tierserve", "openai")
+
+
+@dataclass
+class ReplicaSpec:
+    url: str
+    """Base URL, e.g. http://10.0.0.5:8000 (the /v1 routes are below it)."""
+    models: list[str] = field(default_factory=list)
+    """Model names it serves; the first is sent upstream (empty: the gateway's name)."""
+    kind: str = "vllm"
+    """vllm, tierserve or openai (see the module docstring)."""
+    api_key: str | None = None
+    """Bearer key the gateway sends to it."""
+    price_per_hour: float | None = None
+    """USD per hour of its machine; None: the --hardware profile's price."""
+    hardware: str | None = None
+    """A price profile (metering.prices) for this replica; None: the server's."""
+    max_num_seqs: int = 256
+    """Requests it runs at once (vLLM's --max-num-seqs)."""
+    name: str = ""
+
+    def validate(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"backend url must start with http:// or https://, got "
+                              f"{self.url!r}")
+        if self.kind not in KINDS:
+            raise ConfigError(f"backend {self.url}: kind must be one of {', '.join(KINDS)}, "
+                              f"got {self.kind!r}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"backend {self.url}: max_num_seqs must be >= 1")
+        if self.price_per_hour is not None and self.price_per_hour < 0:
+            raise ConfigError(f"backend {self.url}: price_per_hour must be >= 0")
+
+    @classmethod
+    def parse(cls, raw, index: int) -> "ReplicaSpec":
+        """A URL, or a YAML mapping with these fields."""
+        if isinstance(raw, str):
+            spec = cls(url=raw)
+        elif isinstance(raw, dict) and "url" in raw:
+            unknown = set(raw) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ConfigError(f"backends[{index}]: unknown key {sorted(unknown)[0]!r}")
+            raw = dict(raw)
+            if isinstance(raw.get("models"), str):
+                raw["models"] = [raw["models"]]
+            spec = cls(**raw)
+        else:
+            raise ConfigError(f"backends[{index}]: expected a URL or {{url: ..., ...}}, got "
+                              f"{raw!r}")
+        spec.url = spec.url.rstrip("/")
+        spec.name = spec.name or f"r{index}"
+        spec.validate()
+        return spec
+
+
+class ReplicaDown(Exception):
+    """The replica could not be reached or broke the connection (a gateway matter: retry
+    elsewhere or report; never shown to a client as is)."""
+
+
+def upstream_body(spec: ReplicaSpec, path: str, body: dict, model: str, tier: Tier,
+                  priority: int) -> dict:
+    """The request a replica gets: the client's, streamed with usage, plus the tier as
+    the replica's kind understands it."""
+    body = {**body, "model": spec.models[0] if spec.models else model, "stream": True,
+            "stream_options": {"include_usage": True}}
+    body.pop("service_tier", None)
+    body.pop("priority", None)
+    if spec.kind == "vllm":
+        body["priority"] = int(tier) * 1000 + priority  # vLLM: lower first
+    elif spec.kind == "tierserve":
+        body["service_tier"] = "default" if tier == Tier.BATCH else tier.label
+        body["priority"] = priority
+    return body
+
+
+async def stream(client: httpx.AsyncClient, spec: ReplicaSpec, path: str,
+                 body: dict) -> AsyncIterator[dict]:
+    """The replica's SSE chunks, parsed. Raises ReplicaDown (connection, 5xx) or
+    UpstreamError (the replica refused the request: 4xx, passed on)."""
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    try:
+        async with client.stream("POST", spec.url + path, json=body, headers=headers) as r:
+            if r.status_code >= 400:
+                raw = await r.aread()
+                error = _error_of(raw)
+                if r.status_code >= 500 or r.status_code == 429:
+                    raise ReplicaDown(f"{spec.name} answered {r.status_code}: "
+                                      f"{error.get('message', raw[:200])}")
+                raise UpstreamError(error.get("message") or f"replica answered "
+                                    f"{r.status_code}", r.status_code, error.get("param"),
+                                    error.get("code"))
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ReplicaDown(f"{spec.name} reported an error mid-stream: "
+                                      f"{chunk['error']}")
+                yield chunk
+    except (httpx.TransportError, json.JSONDecodeError) as exc:
+        raise ReplicaDown(f"{spec.name} ({spec.url}): {type(exc).__name__}: {exc}") from exc
+
+
+def _error_of(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return error
+    if isinstance(body, dict) and isinstance(body.get("message"), str):  # vLLM's older shape
+        return body
+    return {}

@@ -1,0 +1,105 @@
+"""Fleet tests' parts: real tierserve replicas in subprocesses, and a gateway (the real
+server app in fleet mode) on a loopback port in a thread."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tierserve.core.step_time import StepTimeModel
+from tierserve.router.flow import FlowConfig
+from tierserve.router.remote import ReplicaSpec
+from tierserve.server.serve import DEFAULT_CPU_PROFILE
+
+MODEL = "SmolLM2-135M-Instruct"
+PRICE = 3.6
+"""USD per hour of every replica, on both sides (so estimate and exact compare)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TierserveReplica:
+    """`tierserve serve` in its own process (one torch thread: two share the two cores)."""
+
+    def __init__(self, log_dir: Path, name: str, *args: str, threads: int = 1):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.log = open(log_dir / f"{name}.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(self.port),
+             "--no-ledger", "--no-batches", "--step-time-profile", DEFAULT_CPU_PROFILE,
+             "--max-num-seqs", "16", "--machine-price-per-hour", str(PRICE), *args],
+            env=env, stdout=self.log, stderr=self.log, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 180.0) -> "TierserveReplica":
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"replica {self.name} exited"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"replica {self.name} not ready in {timeout_s} s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def spec(self, kind: str = "tierserve", **kw) -> ReplicaSpec:
+        kw.setdefault("max_num_seqs", 16)
+        kw.setdefault("price_per_hour", PRICE)
+        return ReplicaSpec(self.url, [MODEL], kind, name=self.name, **kw)
+
+
+class Gateway:
+    """The tierserve server in fleet mode, in this process, on a loopback port."""
+
+    def __init__(self, specs: list[ReplicaSpec], settings=None, flow: FlowConfig | None = None,
+                 slo=None, health_interval_s: float = 0.5):
+        import uvicorn
+
+        from tierserve.model.metadata import default_model_path
+        from tierserve.model.tokenizer import Tokenizer
+        from tierserve.router.fleet import FleetBackend
+        from tierserve.server.app import create_app
+        from tierserve.server.settings import ServerSettings
+
+        settings = settings or ServerSettings()
+        settings.port = self.port = free_port()
+        self.backend = FleetBackend(specs, MODEL, StepTimeModel.load(DEFAULT_CPU_PROFILE),
+                                    flow or FlowConfig(), slo,
+                                    Tokenizer.load(str(default_model_path())),
+                                    health_interval_s=health_interval_s)
+        self.app = create_app(self.backend, settings, MODEL)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "gateway did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = "none"):
+        import openai
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
