@@ -40,7 +40,8 @@ class TierserveReplica:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(self.port),
              "--no-ledger", "--no-batches", "--step-time-profile", DEFAULT_CPU_PROFILE,
-             "--max-num-seqs", "16", "--machine-price-per-hour", str(PRICE), *args],
+             "--max-num-seqs", "16", "--machine-price-per-hour", str(PRICE),
+             "--kv-cache-memory-gb", "0.25", *args],
             env=env, stdout=self.log, stderr=self.log, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 180.0) -> "TierserveReplica":

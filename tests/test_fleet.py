@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from fleet_util import MODEL, Gateway, TierserveReplica
+from pg import pg_database, pg_server  # noqa: F401 (fixtures)
 from tierserve.router.flow import FlowConfig
 from tierserve.server.settings import ServerSettings
 
@@ -179,3 +180,41 @@ def test_metering_estimate_against_the_replicas_exact_meter(replicas):
     for meter in gw.backend.meters.values():
         assert meter.attributed + meter.idle_cost + meter.reserved_idle_cost == pytest.approx(
             meter.machine_cost, rel=1e-9)
+
+
+def test_two_gateways_share_a_postgres_ledger_and_budget(replicas, pg_database, tmp_path):
+    """Two gateways (as on two machines) with one PostgreSQL ledger: a tenant's budget
+    holds across them; each gateway's spend is seen by the other."""
+    from tierserve.metering.recorder import Budget
+    from tierserve.server.settings import Tenant
+
+    def settings():
+        return ServerSettings(api_keys={"sk-a": Tenant("a")}, database=pg_database,
+                              budgets={"a": Budget(4e-5, "day")})
+
+    gateways = [Gateway([r.spec() for r in replicas], settings()) for _ in range(2)]
+    charges, refused = [], [0, 0]
+    try:
+        for i in range(16):
+            g = i % 2
+            r = httpx.post(gateways[g].url + "/v1/completions", headers={
+                "Authorization": "Bearer sk-a"}, json={
+                "model": MODEL, "prompt": "Count: one two three", "max_tokens": 12,
+                "ignore_eos": True}, timeout=60)
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "insufficient_quota"
+                refused[g] += 1
+            else:
+                assert r.status_code == 200
+                charges.append(r.json()["usage"]["cost"]["charge_usd"])
+            time.sleep(0.8)  # the ledger commits; the other gateway reads it
+    finally:
+        for g in gateways:
+            g.stop()
+    assert refused[0] and refused[1], refused  # both gateways stopped the tenant
+    assert sum(charges) <= 4e-5 + 2 * max(charges)  # one request past, at most, each
+    import psycopg
+    with psycopg.connect(pg_database) as db:
+        rows = db.execute("SELECT count(*), sum(charge) FROM requests WHERE tenant = 'a'"
+                          ).fetchone()
+    assert rows[0] == len(charges) and rows[1] == pytest.approx(sum(charges))

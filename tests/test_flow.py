@@ -180,3 +180,28 @@ def test_replica_meter_splits_like_the_engine_when_busy():
     a, b = m.finish("a", 1.5), m.finish("b", 1.5)
     assert a.prefill_cost > 3 * b.prefill_cost
     assert a.decode_cost == pytest.approx(b.decode_cost, rel=0.25)
+
+
+def test_the_simulated_fleet_runs_the_gateways_own_code():
+    """`tierserve sim --router gateway` drives router/flow.py's Gateway: under overload the
+    fast lane overtakes the queued lower tiers, and every request ends."""
+    from tierserve.config import SchedulerConfig
+    from tierserve.core.stats import percentile
+    from tierserve.model.shapes import preset
+    from tierserve.router.flow import Gateway as FlowGateway
+    from tierserve.sim.fleet import FleetConfig, machine_for, make_simulator
+    from tierserve.sim.workload import make_workload
+
+    machine = machine_for(preset("llama-3-8b"), "h100-sxm", num_kv_blocks=4000)
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048, policy="priority")
+    sim = make_simulator(machine, config, FleetConfig(replicas=2, router="gateway",
+                                                      reserved_priority_seqs=4),
+                         None, slo={"priority": (0.5, 0.05)})
+    assert isinstance(sim.gateway, FlowGateway)
+    result = sim.run(make_workload("poisson:rate=60,n=600,priority=0.2,flex=0.0,"
+                                   "prompt=256-1024,output=64-256,seed=3"))
+    assert len(result.requests) == 600
+    ttft = {t: percentile([r.ttft_s for r in result.requests if r.tier == t], 0.9)
+            for t in ("priority", "default")}
+    assert ttft["priority"] < 0.5 * ttft["default"], ttft
+    assert all(r.finish_reason == "length" for r in result.requests)

@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_batch.add_args(bbat)
     add_engine_args(bbat)
     bbat.set_defaults(func=lambda a: bench_batch.run(a) or 0)
+    from tierserve.bench import fleet as bench_fleet
+    bflt = bench_sub.add_parser("fleet", help="fleet mode: the gateway in front of real vLLM "
+                                              "and tierserve replicas, beside them alone")
+    bench_fleet.add_args(bflt)
+    bflt.set_defaults(func=lambda a: bench_fleet.run(a) or 0)
     from tierserve.bench import sim_accuracy
     bacc = bench_sub.add_parser("sim-accuracy", help="the simulator against the real engine "
                                                      "on held-out open-loop workloads")

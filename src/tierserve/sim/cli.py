@@ -97,7 +97,8 @@ def cmd_sim(args) -> int:
     workload = make_workload(args.workload)
     bar = Bar("sim: requests")
     sim = make_simulator(machine, config, fleet,
-                         step_time_limit(machine.model, slo, args.priority_step_time_s), bar)
+                         step_time_limit(machine.model, slo, args.priority_step_time_s), bar,
+                         slo)
     start = time.perf_counter()
     result = sim.run(workload)
     bar.close()
@@ -185,9 +186,11 @@ def _add_model_args(p) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
     p.add_argument("--dtype-bytes", type=int, default=2)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--router", default="least-tokens", choices=["least-tokens", "round-robin"],
+    p.add_argument("--router", default="least-tokens",
+                   choices=["least-tokens", "round-robin", "gateway"],
                    help="how arrivals are spread over replicas (default least-tokens: the "
-                        "replica with the fewest outstanding prompt + output tokens)")
+                        "replica with the fewest outstanding prompt + output tokens; "
+                        "gateway: fleet mode's own queues, AIMD limit and routing)")
     p.add_argument("--dedicated-replicas", type=int, default=1,
                    help="replicas that serve only priority in a dedicated deployment")
     p.add_argument("--dedicated-max-num-seqs", type=int, default=1,

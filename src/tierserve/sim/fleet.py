@@ -8,7 +8,10 @@ NOTE: routing
       round-robin   the next of them in turn (a counter per set of eligible replicas);
       least-tokens  the one with the fewest outstanding tokens (prompt tokens not yet
                     computed plus output tokens not yet generated, over its unfinished
-                    requests), ties to the lowest index.
+                    requests), ties to the lowest index;
+      gateway       fleet mode's gateway itself (router/flow.py, imported, not re-written):
+                    per-tier queues, lower tiers released under the AIMD limit, priority
+                    at once to the best-scored replica, prefix affinity.
     Least-tokens sees the work queued, not the request count: one long prompt weighs as
     much as many short ones. Neither looks at the request's own length.
 """
@@ -19,9 +22,10 @@ from dataclasses import dataclass, replace
 from tierserve.config import SchedulerConfig
 from tierserve.core.step_time import StepTimeModel
 from tierserve.errors import ConfigError
+from tierserve.router.flow import FlowConfig
 from tierserve.sim.loop import Replica, Simulator
 
-ROUTERS = ("round-robin", "least-tokens")
+ROUTERS = ("round-robin", "least-tokens", "gateway")
 DEPLOYMENTS = ("shared", "dedicated")
 
 
@@ -90,6 +94,8 @@ class FleetConfig:
     held for the fast lane), the others every other tier."""
     dedicated_replicas: int = 1
     dedicated_max_num_seqs: int = 1
+    reserved_priority_seqs: int = 4
+    """router gateway: slots per replica the gateway keeps free for priority."""
 
     def validate(self) -> None:
         if self.router not in ROUTERS:
@@ -139,12 +145,13 @@ class Router:
 
 
 def make_simulator(machine: Machine, config: SchedulerConfig, fleet: FleetConfig,
-                   limit_s: float | None, progress=None) -> Simulator:
+                   limit_s: float | None, progress=None, slo: dict | None = None) -> Simulator:
     """A simulator of `fleet` replicas of `machine`, each scheduling with `config` (the
-    dedicated ones as the server's dedicated engine does: fcfs, few slots, no cap)."""
+    dedicated ones as the server's dedicated engine does: fcfs, few slots, no cap).
+    `slo`: {tier: (ttft_s, tpot_s)}, the gateway router's signal."""
     fleet.validate()
     m = machine
-    if fleet.replicas == 1:
+    if fleet.replicas == 1 and fleet.router != "gateway":
         return Simulator(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
                          m.price_per_hour, step_time_limit_s=limit_s or None,
                          progress=progress)
@@ -164,4 +171,10 @@ def make_simulator(machine: Machine, config: SchedulerConfig, fleet: FleetConfig
         replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
                              m.price_per_hour, step_time_limit_s=limit_s or None,
                              name=f"r{i}") for i in range(fleet.replicas)]
+    if fleet.router == "gateway":
+        ttft, tpot = (slo or {}).get("priority") or (None, None)
+        flow = FlowConfig(reserved_priority_seqs=fleet.reserved_priority_seqs,
+                          priority_ttft_s=ttft, priority_tpot_s=tpot,
+                          flex_max_wait_s=config.flex_max_wait_s)
+        return Simulator.fleet(replicas, None, progress, gateway=flow)
     return Simulator.fleet(replicas, Router(fleet.router), progress)

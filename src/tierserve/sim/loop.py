@@ -37,6 +37,7 @@ from tierserve.core.stats import RequestStats
 from tierserve.core.step_time import StepTimeModel
 from tierserve.errors import ConfigError
 from tierserve.metering.cost import CostMeter
+from tierserve.router.flow import FlowConfig, Gateway, Pending, ReplicaState, prefix_keys
 from tierserve.sim.workload import ClosedLoop, SimRequest
 
 STEP_DONE, ARRIVAL, WAKE = 0, 1, 2
@@ -148,17 +149,30 @@ class Simulator:
                              reserved_fraction, plan_model=plan_model)], None, progress)
 
     @classmethod
-    def fleet(cls, replicas: list[Replica], router, progress=None) -> "Simulator":
-        """`router(tier, replicas) -> index` picks each arrival's replica."""
+    def fleet(cls, replicas: list[Replica], router, progress=None,
+              gateway: FlowConfig | None = None) -> "Simulator":
+        """`router(tier, replicas) -> index` picks each arrival's replica; with `gateway`
+        instead, fleet mode's gateway (router/flow.py, the code the server runs) queues
+        arrivals by tier and releases them to replicas."""
         if not replicas:
             raise ConfigError("a fleet needs at least one replica")
         sim = cls.__new__(cls)
         sim._setup(replicas, router, progress)
+        if gateway is not None:
+            states = [ReplicaState(r.name, r.scheduler.config.max_num_seqs,
+                                   frozenset(r.tiers) if r.tiers else None) for r in replicas]
+            sim.gateway = Gateway(states, gateway)
+            sim._by_name = {r.name: r for r in replicas}
         return sim
 
     def _setup(self, replicas: list[Replica], router, progress) -> None:
         self.replicas = replicas
         self.router = router
+        self.gateway: Gateway | None = None
+        self._held: dict[str, tuple[Request, Tier, Pending]] = {}
+        """Requests the gateway holds or has sent: what a replica gets, and its Pending."""
+        self._changed = False
+        self._closed: ClosedLoop | None = None
         self.progress = progress
         """Called as progress(done, total) whenever requests finish."""
         self.clock = ManualClock()
@@ -183,7 +197,7 @@ class Simulator:
 
     # -------------------------------------------------------------- public
     def run(self, workload: list[SimRequest] | ClosedLoop) -> SimResult:
-        closed = workload if isinstance(workload, ClosedLoop) else None
+        self._closed = closed = workload if isinstance(workload, ClosedLoop) else None
         if closed:
             self._queue = list(reversed(closed.requests))
             for user in range(min(closed.users, len(closed.requests))):
@@ -202,11 +216,13 @@ class Simulator:
                 self._arrive(*payload)
             elif kind == STEP_DONE:
                 done_before = len(self._done)
-                self._complete(*payload, closed)
+                self._complete(*payload)
                 if self.progress and len(self._done) > done_before:
                     self.progress(len(self._done), total)
             if self._events and self._events[0][0] <= t:
                 continue  # more of this instant first
+            if self.gateway is not None and self._changed:
+                self._release()
             for replica in self.replicas:
                 if not replica.busy and replica.scheduler.has_unfinished():
                     self._start_step(replica)
@@ -219,18 +235,50 @@ class Simulator:
     def _arrive(self, req: SimRequest, user: int | None) -> None:
         i = next(self._ids)
         rid = f"sim-{i}"
-        replica = self.replicas[self.router(req.tier, self.replicas) if self.router else 0]
-        prompt_len = max(1, min(req.prompt_tokens, replica.max_model_len - 1))
-        output = max(1, min(req.output_tokens, replica.max_model_len - prompt_len))
+        max_len = self.replicas[0].max_model_len
+        prompt_len = max(1, min(req.prompt_tokens, max_len - 1))
+        output = max(1, min(req.output_tokens, max_len - prompt_len))
         prefix = min(req.shared_prefix, prompt_len - 1)
         # A unique token right after the shared prefix: no accidental prefix-cache hits.
         prompt = list(range(10, 10 + prefix)) + [100_000 + i] + [5] * (prompt_len - prefix - 1)
         now = self.clock.now()
         asked = Tier.parse(req.tier)
-        replica.add(Request(rid, prompt, output, arrival_time=now, ignore_eos=True,
-                            tier=replica.core.served_tier(asked)), asked)
+        request = Request(rid, prompt, output, arrival_time=now, ignore_eos=True, tier=asked)
         if user is not None:
             self._user_of[rid] = user
+        if self.gateway is not None:
+            pending = Pending(rid, asked, prompt_len, output, now, prefix_keys(prompt))
+            self._held[rid] = (request, asked, pending)
+            self.gateway.submit(pending)
+            self._changed = True
+            return
+        replica = self.replicas[self.router(req.tier, self.replicas) if self.router else 0]
+        self._admit(replica, request, asked)
+
+    def _admit(self, replica: Replica, request: Request, asked: Tier) -> None:
+        request.tier = replica.core.served_tier(asked)
+        replica.add(request, asked)
+
+    def _release(self) -> None:
+        """Fleet mode's gateway at this instant: what it releases goes to its replica."""
+        self._changed = False
+        now = self.clock.now()
+        for state in self.gateway.replicas:
+            replica = self._by_name[state.name]
+            state.kv_usage = replica.block_manager.usage
+            state.num_waiting = replica.scheduler.num_waiting
+        released, refused = self.gateway.release(now)
+        for pending, state in released:
+            request, asked, _ = self._held[pending.request_id]
+            self._admit(self._by_name[state.name], request, asked)
+        for pending in refused:  # never reached a replica
+            request, asked, _ = self._held.pop(pending.request_id)
+            stats = RequestStats(request.request_id, request.arrival_time, tier=asked.label,
+                                 served_tier=asked.label,
+                                 num_prompt_tokens=request.num_prompt_tokens,
+                                 finished_time=now, finish_reason="refused")
+            self._done.append(stats)
+            self._next_of_user(request.request_id, now)
 
     def _start_step(self, replica: Replica) -> None:
         now = self.clock.now()
@@ -258,7 +306,7 @@ class Simulator:
         self._push(now + duration, STEP_DONE, (replica, out, now, duration))
 
     def _complete(self, replica: Replica, out: SchedulerOutput, start: float,
-                  duration: float, closed: ClosedLoop | None) -> None:
+                  duration: float) -> None:
         replica.busy = False
         now = self.clock.now()
         sampled = {s.request_id: TOKEN for s in out.seqs if s.sample}
@@ -267,17 +315,30 @@ class Simulator:
         touched = replica.core.apply(out, RunnerOutput(sampled), start, now,
                                      measured_s=duration)
         for request in touched:
+            held = self._held.get(request.request_id) if self.gateway else None
+            if held is not None and request.num_output_tokens == 1:
+                self.gateway.first_token(held[2], now)
+                self._changed = True
             if request.is_finished:
                 self._finish(replica, request, now)
-                user = self._user_of.pop(request.request_id, None)
-                if closed and user is not None and self._queue:
-                    self._push(now + closed.think_s, ARRIVAL, (self._queue.pop(), user))
+                self._next_of_user(request.request_id, now)
         replica.kv_sum += replica.block_manager.usage
+
+    def _next_of_user(self, rid: str, now: float) -> None:
+        """A closed-loop user whose request ended sends its next one."""
+        closed = self._closed
+        user = self._user_of.pop(rid, None)
+        if closed and user is not None and self._queue:
+            self._push(now + closed.think_s, ARRIVAL, (self._queue.pop(), user))
 
     def _finish(self, replica: Replica, request: Request, now: float) -> None:
         stats = replica.core.finish(request, now)
         replica.forget(request.request_id, stats.num_output_tokens)
         self._done.append(stats)
+        held = self._held.pop(request.request_id, None) if self.gateway else None
+        if held is not None:
+            self.gateway.finished(held[2], now, stats.ttft_s, stats.tpot_s)
+            self._changed = True
 
     # ------------------------------------------------------------- result
     def _result(self) -> SimResult:
