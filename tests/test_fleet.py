@@ -182,7 +182,8 @@ def test_metering_estimate_against_the_replicas_exact_meter(replicas):
             meter.machine_cost, rel=1e-9)
 
 
-def test_two_gateways_share_a_postgres_ledger_and_budget(replicas, pg_database, tmp_path):
+def test_two_gateways_share_a_postgres_ledger_and_budget(replicas, pg_database,  # noqa: F811
+                                                        tmp_path):
     """Two gateways (as on two machines) with one PostgreSQL ledger: a tenant's budget
     holds across them; each gateway's spend is seen by the other."""
     from tierserve.metering.recorder import Budget

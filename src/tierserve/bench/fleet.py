@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from tierserve.bench.serve import pct
+from tierserve.bench.serve import one_request, pct
 from tierserve.bench.throughput import make_prompts
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -109,29 +109,6 @@ def gateway(backends: list[dict], fleet: dict | None = None, slo: dict | None = 
 
 
 # ----------------------------------------------------------------------- load
-async def request(client, url, prompt, max_tokens, extra: dict) -> tuple[int, float, list]:
-    """One streamed completion: (tokens, TTFT, inter-chunk gaps)."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **extra}
-    start = time.perf_counter()
-    times, tokens = [], 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            import json
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
-            if event.get("choices") and event["choices"][0].get("text"):
-                times.append(time.perf_counter())
-    return tokens, (times[0] - start if times else float("nan")), \
-        [b - a for a, b in zip(times, times[1:])]
-
-
 async def closed_loop(url, prompts, max_tokens, concurrency, extra=None) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=900, limits=limits) as client:
@@ -142,7 +119,8 @@ async def closed_loop(url, prompts, max_tokens, concurrency, extra=None) -> dict
             nonlocal errors
             async with sem:
                 try:
-                    return await request(client, url, p, max_tokens, extra or {})
+                    return await one_request(client, url, MODEL, p, max_tokens,
+                                             extra=extra)
                 except (RuntimeError, httpx.HTTPError):
                     errors += 1
                     return 0, float("nan"), []
@@ -262,11 +240,11 @@ def affinity(args) -> None:
         backends = [{"url": r.url, "kind": "tierserve", "models": [MODEL], "max_num_seqs": 16,
                      "name": f"t{i}"} for i, r in enumerate(reps)]
         for shared in (True, False):
-            for routing in ("affinity", "load-only"):
+            for k, routing in enumerate(("affinity", "load-only")):
                 gw = gateway(backends, {"affinity": routing == "affinity"})
-                try:
-                    work = shared_prompts(args.requests, 8, 512, 32, args.seed + 20 + shared,
-                                          shared)
+                try:  # fresh prompts each run: nothing cached by the run before
+                    work = shared_prompts(args.requests, 8, 512, 32,
+                                          args.seed + 20 + 2 * shared + k, shared)
                     run = asyncio.run(closed_loop(gw.url, work, 16, 8))
                     print(f"fleet affinity prompts={'8-tenant shared 512-token prefixes' if shared else 'nothing shared'} "
                           f"routing={routing} replicas=2x1core concurrency=8 "
@@ -292,8 +270,7 @@ async def mixed(url, n, seed, share=0.2):
 
         async def one(i):
             async with sem:
-                return tiers[i], await request(client, url, ps[i], 64,
-                                               {"service_tier": tiers[i]})
+                return tiers[i], await one_request(client, url, MODEL, ps[i], 64, tiers[i])
         start = time.perf_counter()
         results = await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - start

@@ -39,10 +39,13 @@ def pct(values, q):
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-async def one_request(client, url, model, prompt, output_len, tier: str | None = None):
+async def one_request(client, url, model, prompt, output_len, tier: str | None = None,
+                      extra: dict | None = None):
+    """One streamed completion: (tokens, TTFT, gaps between text chunks). `extra`: more
+    body fields (vLLM's `priority`)."""
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **({"service_tier": tier} if tier else {})}
+            **({"service_tier": tier} if tier else {}), **(extra or {})}
     start = time.perf_counter()
     chunk_times, tokens = [], 0
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:

@@ -17,7 +17,13 @@ NOTE: the model
       a 32-sequence decode step at context 420 predicted 55 ms, took 92).
 
     The coefficients are fitted by least squares to measured steps (`fit`), which is what a
-    calibration run does on the engine at hand (`tierserve calibrate`). No torch here: the
+    calibration run does on the engine at hand (`tierserve calibrate`). In absolute error
+    (the engine's cap model) the few long prefills decide the fit; in relative error
+    (`relative=True`, the simulator's whole-step model) each residual is divided by its
+    step's time, so a 25 ms decode step weighs as much as a 300 ms prefill: on a 2-core
+    EPYC the absolute fit put small decode steps, which make up TPOT, at half their time.
+    The engine keeps the absolute fit: with the relative one its cap shrank and default
+    TTFT at 1 req/s went from 0.8 to 1.5 s (docs/benchmarks.md). No torch here: the
     scheduler uses the model to cap a step's budget, and the simulator predicts with it.
 """
 
@@ -73,14 +79,19 @@ class StepTimeModel:
 
     # ------------------------------------------------------------ fit, files
     @classmethod
-    def fit(cls, steps: list[tuple[list[tuple[int, int]], float]]) -> "StepTimeModel":
-        """Least squares over measured steps, each ([(num_tokens, context_len)...], seconds),
-        every coefficient kept >= 0 (a negative one is dropped and the rest refitted)."""
+    def fit(cls, steps: list[tuple[list[tuple[int, int]], float]],
+            relative: bool = False) -> "StepTimeModel":
+        """Least squares (in relative error if `relative`) over measured steps, each
+        ([(num_tokens, context_len)...], seconds), every coefficient kept >= 0 (a negative
+        one is dropped and the rest refitted)."""
         if len(steps) < len(FEATURES):
             raise ConfigError(f"need at least {len(FEATURES)} measured steps to fit a "
                               f"step-time model, got {len(steps)}")
-        rows = [(1.0, *map(float, cls.features(seqs))) for seqs, _ in steps]
-        ys = [float(d) for _, d in steps]
+        steps = [(seqs, d) for seqs, d in steps if d > 0]
+        weight = [1.0 / d if relative else 1.0 for _, d in steps]
+        rows = [tuple(x * w for x in (1.0, *map(float, cls.features(seqs))))
+                for (seqs, _), w in zip(steps, weight)]
+        ys = [d * w for (_, d), w in zip(steps, weight)]
         active = list(range(len(FEATURES)))
         while True:
             coef = _least_squares([[r[j] for j in active] for r in rows], ys)

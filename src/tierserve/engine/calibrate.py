@@ -68,7 +68,7 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
         core.sinks, core.metering = sinks, metering
         engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens = counters
         engine.block_manager.reset_prefix_cache()
-    return StepTimeModel.fit(samples)
+    return StepTimeModel.fit(samples, relative=whole_step)  # see core/step_time.py
 
 
 def _run_batch(engine, num: int, prompt_len: int, max_tokens: int, rng, vocab: int,

@@ -27,6 +27,9 @@ from tierserve.core.step_time import StepTimeModel
 from tierserve.metering.cost import CostMeter
 
 GAP_SMOOTHING = 0.3
+MIN_INTERVAL_S = 0.002
+"""Events closer than this fall into one interval: a replica's chunks for a whole batch
+arrive within a millisecond, and splitting per chunk would cost the gateway CPU."""
 
 
 @dataclass
@@ -91,7 +94,7 @@ class ReplicaMeter(CostMeter):
             self._last_end = now
             return
         dt = now - self._t
-        if dt <= 0:
+        if dt < MIN_INTERVAL_S:  # events this close share an interval (and its rates)
             return
         rates = {rid: self._rate(run, dt) for rid, run in self.running.items()}
         working = {rid: r for rid, r in rates.items()

@@ -7,7 +7,8 @@ NOTE: one request's life
     the replica's meter (metering/estimate.py) and the gateway's latency signal. A replica
     that fails before the request's first token: the request goes back to the head of its
     queue, once, excluding that replica. After a token: the stream ends with an error
-    (nothing can be replayed without sending text twice). Whatever happens, the request
+    (nothing can be replayed without sending text twice), except for a batch line, whose
+    client sees only the final result: it goes back to the queue, up to three attempts. Whatever happens, the request
     finishes exactly once: its cost (every attempt's) is billed once and its slot freed.
 
 NOTE: health
@@ -42,6 +43,8 @@ log = logging.getLogger("tierserve.fleet")
 KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
               "tierserve_kv_cache_usage_ratio")
 WAITING_METRICS = ("vllm:num_requests_waiting",)
+MAX_BATCH_ATTEMPTS = 3
+"""A batch line whose replica fails is run again, up to this many times in all."""
 CHARS_PER_TOKEN = 4
 """Prompt length estimate for text when the gateway has no tokenizer."""
 
@@ -242,13 +245,19 @@ class FleetBackend:
         try:
             async for chunk in remote.stream(self._client, spec, path, body):
                 reason = self._on_chunk(req, chunk, meter) or reason
-            reason = reason or "stop"
+            if reason is None:  # vLLM stopped by SIGTERM can end a cut stream with [DONE]
+                raise remote.ReplicaDown(f"{spec.name} ended the stream without a "
+                                         "finish_reason")
         except asyncio.CancelledError:
             reason = "abort"
         except remote.ReplicaDown as exc:
             log.warning("replica %s failed: %s", replica.name, exc)
             replica.healthy = False
-            retry = stats.first_token_time is None and req.attempts < 2
+            # Nothing sent to a client yet (no token, or a batch line, whose client reads
+            # only the final result): it goes back to the queue, within a few attempts.
+            batch = req.pending.tier == Tier.BATCH
+            retry = (stats.first_token_time is None or batch) and \
+                req.attempts < (MAX_BATCH_ATTEMPTS if batch else 2)
             error = ReplicaUnavailableError(f"the replica serving this request failed: {exc}")
         except UpstreamError as exc:
             error = exc
@@ -262,6 +271,7 @@ class FleetBackend:
                 req.cost.batch_size_sum += part.batch_size_sum
             req.task = None
             if retry and not req.done:
+                req.text, stats.first_token_time, stats.token_times = "", None, []
                 self.gateway.retry(req.pending)
             else:
                 self.gateway.finished(req.pending, now, stats.ttft_s, stats.tpot_s)

@@ -267,6 +267,8 @@ class Gateway:
         if request.replica is not None:
             request.excluded.add(request.replica.name)
             self.finished(request, 0.0)
+        if len(request.excluded) >= len(self.replicas):  # tried them all: any may do again
+            request.excluded.clear()
         request.first_token = None
         self.queues[request.tier].appendleft(request)
 

@@ -102,7 +102,8 @@ class Planner:
                                  max_num_batched_tokens=cell.max_num_batched_tokens,
                                  policy=self.policy)
         fleet = replace(self.fleet, replicas=replicas, deployment=cell.deployment)
-        sim = make_simulator(machine, config, fleet, step_time_limit(machine.model, slo))
+        sim = make_simulator(machine, config, fleet, step_time_limit(machine.model, slo),
+                             slo=slo)
         self.num_simulations += 1
         try:
             return summarize(sim.run(workload), slo)
