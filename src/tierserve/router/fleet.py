@@ -217,9 +217,14 @@ class FleetBackend:
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
+        flushed = self.clock.now()
         while True:
             self._wake.clear()
-            released, refused = self.gateway.release(self.clock.now())
+            now = self.clock.now()
+            if self.recorder is not None and now - flushed >= 1.0:
+                self.recorder.flush_idle()  # replicas' idle time to the ledger as it closes
+                flushed = now
+            released, refused = self.gateway.release(now)
             for pending, replica in released:
                 req = self._requests[pending.request_id]
                 req.task = asyncio.create_task(self._run(req, replica))
