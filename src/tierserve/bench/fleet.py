@@ -85,8 +85,14 @@ class Proc:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+VLLM_SEQS = 128
+"""The vLLM replica's --max-num-seqs, told to the gateway: above the load's 64 clients, so
+the slots the gateway keeps for priority do not bind unless its limit is cut."""
+
+
 def vllm() -> Proc:
-    return Proc(["bash", "scripts/vllm_replica.sh", "serve", "{port}"])
+    return Proc(["bash", "scripts/vllm_replica.sh", "serve", "{port}", "--max-num-seqs",
+                 str(VLLM_SEQS)])
 
 
 def tierserve(*args: str, threads: int = 2) -> Proc:
@@ -143,7 +149,8 @@ def prompts(n, length, seed):
 
 # ------------------------------------------------------------------ scenarios
 def overhead(args, replica: Proc) -> None:
-    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL]}])
+    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL],
+                   "max_num_seqs": VLLM_SEQS}])
     try:
         asyncio.run(closed_loop(gw.url, prompts(4, 128, 1), 8, 4))  # warm both paths
         runs = {"alone": [], "gateway": []}
@@ -184,7 +191,7 @@ def fastlane(args, replica: Proc) -> None:
     print(f"fleet fastlane idle priority probes (vLLM alone) | {fmt(idle)}", flush=True)
     n = 2 * args.requests
     lone = 1e3 * pct(idle["itl"], 50)
-    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL], "max_num_seqs": 64}],
+    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL], "max_num_seqs": VLLM_SEQS}],
                  {"reserved_priority_seqs": 4},
                  {"priority": {"ttft_s": 2 * pct(idle["ttft"], 99),
                                "tpot_s": 1.25 * pct(idle["itl"], 99)}})
@@ -205,7 +212,7 @@ def fastlane(args, replica: Proc) -> None:
 
 
 def throttle(args, replica: Proc) -> None:
-    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL], "max_num_seqs": 64}],
+    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL], "max_num_seqs": VLLM_SEQS}],
                  {"reserved_priority_seqs": 4})
     try:
         out = {}
