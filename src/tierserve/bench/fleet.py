@@ -191,7 +191,8 @@ def fastlane(args, replica: Proc) -> None:
     print(f"fleet fastlane idle priority probes (vLLM alone) | {fmt(idle)}", flush=True)
     n = 2 * args.requests
     lone = 1e3 * pct(idle["itl"], 50)
-    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL], "max_num_seqs": VLLM_SEQS}],
+    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL],
+                   "max_num_seqs": VLLM_SEQS}],
                  {"reserved_priority_seqs": 4},
                  {"priority": {"ttft_s": 2 * pct(idle["ttft"], 99),
                                "tpot_s": 1.25 * pct(idle["itl"], 99)}})
@@ -212,7 +213,8 @@ def fastlane(args, replica: Proc) -> None:
 
 
 def throttle(args, replica: Proc) -> None:
-    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL], "max_num_seqs": VLLM_SEQS}],
+    gw = gateway([{"url": replica.url, "kind": "vllm", "models": [MODEL],
+                   "max_num_seqs": VLLM_SEQS}],
                  {"reserved_priority_seqs": 4})
     try:
         out = {}
@@ -253,7 +255,8 @@ def affinity(args) -> None:
                     work = shared_prompts(args.requests, 8, 512, 32,
                                           args.seed + 20 + 2 * shared + k, shared)
                     run = asyncio.run(closed_loop(gw.url, work, 16, 8))
-                    print(f"fleet affinity prompts={'8-tenant shared 512-token prefixes' if shared else 'nothing shared'} "
+                    what = "8-tenant shared 512-token prefixes" if shared else "nothing shared"
+                    print(f"fleet affinity prompts={what} "
                           f"routing={routing} replicas=2x1core concurrency=8 "
                           f"requests={args.requests} 544/16 | {run['tok_s']:.1f} tok/s, ttft "
                           f"p50 {1e3 * pct(run['ttft'], 50):.0f} ms p90 "

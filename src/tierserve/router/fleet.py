@@ -8,8 +8,9 @@ NOTE: one request's life
     that fails before the request's first token: the request goes back to the head of its
     queue, once, excluding that replica. After a token: the stream ends with an error
     (nothing can be replayed without sending text twice), except for a batch line, whose
-    client sees only the final result: it goes back to the queue, up to three attempts. Whatever happens, the request
-    finishes exactly once: its cost (every attempt's) is billed once and its slot freed.
+    client sees only the final result: it goes back to the queue, up to three attempts.
+    Whatever happens, the request finishes exactly once: its cost (every attempt's) is
+    billed once and its slot freed.
 
 NOTE: health
     Each replica's /health is polled every `health_interval_s`, and vLLM's /metrics (KV

@@ -13,8 +13,9 @@ from tierserve.errors import ConfigError, TierserveError
 
 DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "sim",
                                    "profiles", "cpu", "smollm2-135m.json")
-"""`tierserve calibrate` (the forward pass, as the engine meters by) of SmolLM2-135M on the 2-core dev machine: how fleet
-mode splits a CPU replica's cost when no --step-time-profile is given."""
+"""`tierserve calibrate` (the forward pass, as the engine meters by) of SmolLM2-135M on the
+2-core epyc-2c machine: how fleet mode splits a CPU replica's cost when no
+--step-time-profile is given."""
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
                   "slo", "prices", "budgets", "max_file_bytes", "max_batch_lines", "fleet",
