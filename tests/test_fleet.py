@@ -128,7 +128,8 @@ def test_a_replica_killed_mid_run_loses_nothing_and_bills_once(replicas, tmp_pat
         victim.kill()
     kinds = [o[0] for o in outcomes]
     assert "broken" not in kinds and "refused" not in kinds, outcomes
-    assert kinds.count("done") >= 5  # replica a's share at least
+    assert kinds.count("done") + kinds.count("error") == 10  # each ends, done or with an event
+    assert kinds.count("done") >= 3  # at least those on replica a (the split varies)
     assert all(o[0] == "done" for o in after), after
     rows = ledger_rows(ledger)
     assert len(rows) == 14 and len({r["request_id"] for r in rows}) == 14  # once each

@@ -173,7 +173,7 @@ class Scheduler:
         self._arrivals += 1
         self.requests[request.request_id] = request
         self._num_priority += request.tier == Tier.PRIORITY
-        if request.num_prompt_tokens >= self.max_len(request):
+        if request.num_prompt_tokens >= self.max_len(request.tier):
             self._too_long.append(request)  # waiting until the next schedule() ends it
             self._num_waiting += 1
             return
@@ -473,9 +473,9 @@ class Scheduler:
                 touched.append(request)
         return touched
 
-    def max_len(self, request: Request) -> int:
-        """Longest prompt + output the request may reach in this engine."""
-        return self.max_model_len if request.tier == Tier.PRIORITY else self.max_len_lower
+    def max_len(self, tier: Tier) -> int:
+        """Longest prompt + output a request served in `tier` may reach in this engine."""
+        return self.max_model_len if tier == Tier.PRIORITY else self.max_len_lower
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]
@@ -488,7 +488,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if num_output >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if len(request.prompt_token_ids) + num_output >= self.max_len(request):
+        if len(request.prompt_token_ids) + num_output >= self.max_len(request.tier):
             return RequestStatus.FINISHED_LENGTH
         return None
 

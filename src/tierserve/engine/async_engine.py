@@ -16,7 +16,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 
 from tierserve.core.request import Tier
 from tierserve.engine.llm_engine import LLMEngine
-from tierserve.engine.outputs import RequestOutput
+from tierserve.engine.outputs import RequestOutput, read_outputs
 from tierserve.sampling_params import SamplingParams
 
 
@@ -69,18 +69,11 @@ class AsyncEngine:
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an added request until it finishes; closing early aborts it."""
-        stream = self._streams[request_id]
-        finished = False
         try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
+            async for item in read_outputs(self._streams[request_id],
+                                           lambda: self.abort(request_id)):
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)
             self._streams.pop(request_id, None)
 
     async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,

@@ -133,7 +133,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self._tokenize(prompt)
-        max_tokens = self._check_lengths(prompt_ids, params, self.max_len(tier_value))
+        max_tokens = self._check_lengths(prompt_ids, params, self.scheduler.max_len(tier_value))
         request = Request(
             request_id=request_id, prompt_token_ids=prompt_ids, max_tokens=max_tokens,
             arrival_time=self.clock.now() if arrival_time is None else arrival_time,
@@ -165,11 +165,6 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return text, ids
-
-    def max_len(self, tier: Tier) -> int:
-        """Longest prompt + output a request served in `tier` may have: max_model_len, or
-        less for lower tiers where KV blocks are reserved for priority."""
-        return self.scheduler.max_len_lower if tier != Tier.PRIORITY else self.max_model_len
 
     def _check_lengths(self, prompt_ids: list[int], params: SamplingParams,
                        limit: int) -> int:

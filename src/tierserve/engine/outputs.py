@@ -1,5 +1,7 @@
 """What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput."""
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tierserve.core.stats import RequestStats
@@ -28,3 +30,21 @@ class RequestOutput:
     """Text that became final in this step (what a stream sends)."""
     delta_token_ids: list[int] = field(default_factory=list)
     metrics: RequestStats | None = None
+
+
+async def read_outputs(queue: asyncio.Queue, abort: Callable[[], None]
+                       ) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue until the finished one; an exception put in
+    the queue is raised (and ends the request). Closed early (the client left): `abort`."""
+    finished = False
+    try:
+        while not finished:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            abort()

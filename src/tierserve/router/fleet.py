@@ -31,7 +31,7 @@ from tierserve.core.clock import Clock
 from tierserve.core.request import Tier
 from tierserve.core.stats import RequestCost, RequestStats
 from tierserve.core.step_time import StepTimeModel
-from tierserve.engine.outputs import CompletionOutput, RequestOutput
+from tierserve.engine.outputs import CompletionOutput, RequestOutput, read_outputs
 from tierserve.errors import ReplicaUnavailableError, TierserveError, UpstreamError
 from tierserve.metering.estimate import ReplicaMeter
 from tierserve.router import remote
@@ -118,7 +118,8 @@ class FleetBackend:
         rid = f"fleet-{next(self._ids)}"
         now = self.clock.now()
         tokens = self._tokens(prompt)
-        n = len(tokens) if tokens is not None else max(1, self._chars(prompt) // CHARS_PER_TOKEN)
+        n = len(tokens) if tokens is not None else \
+            max(1, len(self._text(prompt)) // CHARS_PER_TOKEN)
         max_tokens = params.max_tokens or 256
         pending = Pending(rid, tier, n, max_tokens, now,
                           prefix_keys(tokens if tokens is not None else self._text(prompt)))
@@ -129,20 +130,8 @@ class FleetBackend:
         self._wake.set()
         return rid
 
-    async def stream(self, request_id: str):
-        req = self._requests[request_id]
-        finished = False
-        try:
-            while not finished:
-                item = await req.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+    def stream(self, request_id: str):
+        return read_outputs(self._requests[request_id].queue, lambda: self.abort(request_id))
 
     def abort(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -202,9 +191,6 @@ class FleetBackend:
         if isinstance(prompt, Chat):
             return "".join(f"{m['role']}:{m['content']}\n" for m in prompt.messages)
         return prompt
-
-    def _chars(self, prompt: Prompt) -> int:
-        return len(self._text(prompt))
 
     # ---------------------------------------------------------- dispatching
     def _start(self) -> None:
