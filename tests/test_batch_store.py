@@ -49,7 +49,7 @@ class FakeEngine:
             return 400, {"error": {"message": "bad line", "type": "invalid_request_error"}}
         return 200, {"id": "cmpl-" + custom_id, "usage": {
             "prompt_tokens": 2, "completion_tokens": len(body["prompt"]),
-            "cost": {"machine_usd": 0.5, "charge_usd": 1.0}}}
+            "cost": 1.0, "cost_details": {"machine_usd": 0.5, "charge_usd": 1.0}}}
 
 
 async def run_until_idle(runner: BatchRunner, timeout_s: float = 10.0) -> None:
@@ -166,7 +166,8 @@ def test_a_line_recorded_by_two_gateways_at_once_counts_once(open_store):
         for idx in range(40):
             if store.record(bid, idx, True, {"custom_id": f"c{idx}"},
                             {"prompt_tokens": 1, "completion_tokens": 2,
-                             "cost": {"machine_usd": 0.25, "charge_usd": 0.5}}):
+                             "cost": 0.5,
+                             "cost_details": {"machine_usd": 0.25, "charge_usd": 0.5}}):
                 wins[store].append(idx)
 
     threads = [threading.Thread(target=record_all, args=(s,)) for s in (first, second)]

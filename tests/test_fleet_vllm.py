@@ -55,8 +55,8 @@ def test_chat_completion_and_cost_through_vllm(vllm):
             max_tokens=16, temperature=0, service_tier="priority")
         assert r.choices[0].message.content and r.service_tier == "priority"
         assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens > 0
-        cost = r.model_extra["usage"]["cost"] if "usage" in r.model_extra else r.usage.cost
-        assert cost["machine_usd"] > 0 and cost["charge_usd"] > 0
+        cost = r.usage.model_extra["cost_details"]
+        assert cost["machine_usd"] > 0 and r.usage.model_extra["cost"] == cost["charge_usd"] > 0
         text = "".join(c.choices[0].text for c in client.completions.create(
             model=MODEL, prompt="The sea is", max_tokens=8, stream=True) if c.choices)
         assert text

@@ -364,7 +364,8 @@ def test_costs_in_responses_headers_metrics_and_the_ledger(tmp_path):
         auth = {"Authorization": "Bearer sk-a"}
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, headers=auth, timeout=60)
         u = r.json()["usage"]
-        cost = u["cost"]
+        cost = u["cost_details"]
+        assert u["cost"] == cost["charge_usd"]  # a number, as OpenRouter and LiteLLM read it
         assert cost["currency"] == "USD" and cost["served_tier"] == "priority"
         assert cost["prefill_usd"] > 0 and cost["decode_usd"] > 0
         assert cost["machine_usd"] == pytest.approx(cost["prefill_usd"] + cost["decode_usd"])
@@ -380,7 +381,7 @@ def test_costs_in_responses_headers_metrics_and_the_ledger(tmp_path):
                                 "stream_options": {"include_usage": True}}) as s:
             lines = [json.loads(x[6:]) for x in s.iter_lines()
                      if x.startswith("data: {")]
-        assert lines[-1]["usage"]["cost"]["served_tier"] == "flex"
+        assert lines[-1]["usage"]["cost_details"]["served_tier"] == "flex"
         # a client that leaves is billed for what ran
         with httpx.stream("POST", srv.url + "/v1/completions", headers=auth, timeout=60,
                           json={"model": MODEL, "prompt": "Once upon a time",

@@ -214,7 +214,7 @@ class BatchStore:
                usage: dict | None = None) -> bool:
         """A line's result, once; its usage and cost added to the batch's totals."""
         u = usage or {}
-        cost = u.get("cost") or {}
+        cost = u.get("cost_details") or {}
         with self.db:
             cur = self.db.execute(
                 "UPDATE lines SET state = ?, result = ? WHERE batch_id = ? AND idx = ? AND "

@@ -382,9 +382,10 @@ def metering(args) -> None:
         asyncio.run(closed_loop(f"http://127.0.0.1:{port}", work, 48, 8))
         server.should_exit = True
         thread.join(timeout=30)
-        errors = sorted(abs(est - exact) / exact for est, exact in backend.cost_checks)
-        total_est = sum(e for e, _ in backend.cost_checks)
-        total_exact = sum(x for _, x in backend.cost_checks)
+        checks = [(e.machine_cost, x.machine_cost) for e, x in backend.cost_checks]
+        errors = sorted(abs(est - exact) / exact for est, exact in checks)
+        total_est = sum(e for e, _ in checks)
+        total_exact = sum(x for _, x in checks)
         print(f"fleet metering 2x1-core tierserve concurrency=8 requests={len(errors)} "
               f"prompts 32/128/512 output 48 | per-request |estimate-exact|/exact median "
               f"{100 * statistics.median(errors):.1f}% p90 {100 * pct(errors, 90):.1f}%, "

@@ -61,8 +61,8 @@ class _Request:
     text: str = ""
     attempts: int = 0
     cost: RequestCost = field(default_factory=RequestCost)
-    exact_cost: float | None = None
-    """Machine cost a tierserve replica reported (USD), to check the estimate."""
+    exact_cost: RequestCost | None = None
+    """Machine cost a tierserve replica reported, to check the estimate."""
     task: asyncio.Task | None = None
     done: bool = False
 
@@ -90,7 +90,7 @@ class FleetBackend:
         self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         self._client: httpx.AsyncClient | None = None
         self._requests: dict[str, _Request] = {}
-        self.cost_checks: deque[tuple[float, float]] = deque(maxlen=10_000)
+        self.cost_checks: deque[tuple[RequestCost, RequestCost]] = deque(maxlen=10_000)
         """(estimated, exact) machine cost of recent requests whose replica reported its
         exact cost (kind tierserve): how good the estimate is."""
         self._ids = itertools.count()
@@ -314,9 +314,11 @@ class FleetBackend:
             stats.num_output_tokens = usage.get("completion_tokens", 0)
             details = usage.get("prompt_tokens_details") or {}
             stats.num_cached_tokens = details.get("cached_tokens") or 0
-            cost = usage.get("cost")
+            cost = usage.get("cost_details")
             if isinstance(cost, dict) and "machine_usd" in cost:
-                req.exact_cost = (req.exact_cost or 0.0) + cost["machine_usd"]
+                exact = req.exact_cost = req.exact_cost or RequestCost()
+                exact.prefill_cost += cost.get("prefill_usd", 0.0)
+                exact.decode_cost += cost.get("decode_usd", 0.0)
         return reason
 
     def _output(self, req: _Request, delta: str, reason: str | None) -> RequestOutput:

@@ -35,25 +35,27 @@ def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: str | None =
         "timing": {"queue_s": worst(lambda s: s.queue_s),
                    "prefill_s": worst(lambda s: s.prefill_s),
                    "decode_s": worst(lambda s: s.decode_s)},
-        **({"cost": cost_object(stats, tier)} if tier and any(s.cost for s in stats) else {}),
+        **(cost_fields(stats, tier) if tier and any(s.cost for s in stats) else {}),
     }
 
 
-def cost_object(stats: list, tier: str) -> dict:
-    """The `usage.cost` extension: machine cost (prefill, decode) and charge, in USD."""
+def cost_fields(stats: list, tier: str) -> dict:
+    """`usage.cost`, the charge in USD as a number (what OpenRouter's usage accounting and
+    LiteLLM's `Usage.cost` read), and `usage.cost_details`, the machine cost behind it."""
     prefill = sum(s.cost.prefill_cost for s in stats if s.cost)
     decode = sum(s.cost.decode_cost for s in stats if s.cost)
-    return {"prefill_usd": round(prefill, 12), "decode_usd": round(decode, 12),
-            "machine_usd": round(prefill + decode, 12),
-            "charge_usd": round(sum(s.charge or 0.0 for s in stats), 12),
-            "currency": "USD", "served_tier": tier}
+    charge = round(sum(s.charge or 0.0 for s in stats), 12)
+    return {"cost": charge,
+            "cost_details": {"prefill_usd": round(prefill, 12), "decode_usd": round(decode, 12),
+                             "machine_usd": round(prefill + decode, 12), "charge_usd": charge,
+                             "currency": "USD", "served_tier": tier}}
 
 
 def cost_headers(outputs: list[RequestOutput], tier: str) -> dict:
     stats = [o.metrics for o in outputs if o.metrics is not None]
     headers = {"x-tierserve-served-tier": tier}
     if any(s.cost for s in stats):
-        c = cost_object(stats, tier)
+        c = cost_fields(stats, tier)["cost_details"]
         headers.update({"x-tierserve-prefill-cost-usd": f"{c['prefill_usd']:.12f}",
                         "x-tierserve-decode-cost-usd": f"{c['decode_usd']:.12f}",
                         "x-tierserve-charge-usd": f"{c['charge_usd']:.12f}"})
