@@ -45,6 +45,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"which to run (default all): {', '.join(SCENARIOS)}")
     p.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--verbose", action="store_true", help="per-request detail where a scenario has it")
 
 
 # ------------------------------------------------------------------ processes
@@ -386,10 +387,20 @@ def metering(args) -> None:
         errors = sorted(abs(est - exact) / exact for est, exact in checks)
         total_est = sum(e for e, _ in checks)
         total_exact = sum(x for _, x in checks)
+
+        def part(name):  # signed: which way each half of the split errs
+            return statistics.median((getattr(e, name) - getattr(x, name)) / x.machine_cost
+                                     for e, x in backend.cost_checks)
         print(f"fleet metering 2x1-core tierserve concurrency=8 requests={len(errors)} "
               f"prompts 32/128/512 output 48 | per-request |estimate-exact|/exact median "
               f"{100 * statistics.median(errors):.1f}% p90 {100 * pct(errors, 90):.1f}%, "
-              f"sum estimate/exact {total_est / total_exact:.3f}", flush=True)
+              f"sum estimate/exact {total_est / total_exact:.3f}; median signed error of "
+              f"the prefill part {100 * part('prefill_cost'):+.1f}%, decode part "
+              f"{100 * part('decode_cost'):+.1f}% (of exact)", flush=True)
+        if args.verbose:
+            for e, x in backend.cost_checks:
+                print(f"  estimate {e.prefill_cost:.3e} + {e.decode_cost:.3e}  exact "
+                      f"{x.prefill_cost:.3e} + {x.decode_cost:.3e}")
     finally:
         for r in reps:
             r.stop()

@@ -1,23 +1,25 @@
 """Cost for a replica the gateway cannot see inside: its machine cost over time, split
-among the requests it was running, interval by interval, from the token timings the
-gateway observes.
+among the requests it was running, step by step as the gateway sees them.
 
 NOTE: the split
-    The replica's timeline is cut at every event the gateway sees on it (a request sent,
-    a chunk of tokens, a request done). Between two events the set of requests and what
-    each is doing are taken as constant. The interval costs `dt * price`; if nothing is
-    running it is idle. Otherwise each running request has a work rate, in seconds of the
-    step-time model's per-sequence work per second of wall time (core/step_time.py, the
-    same model the engine's meter splits by):
-      prefill  its prompt's work W = seq_cost(prompt - cached, prompt), done at the pace
-               of that prompt alone, W / predict([(prompt - cached, prompt)]), until W is
-               used up (then it waits for its first token at rate 0: it is queued);
-      decode   seq_cost(1, context) per token, over the smoothed gap between its chunks.
-    What the rates leave of each second, 1 - sum(rates) (the fixed part: weights streamed
-    once per step, overhead), is shared equally by the requests working in the interval,
-    like the engine meter's fixed share. Weights are normalised so each interval's cost is
-    fully attributed: per replica, requests + idle == machine cost (property-tested), and
-    the estimate is checked against a tierserve replica's exact meter.
+    A replica streams each running sequence's token at the end of every step, so the
+    gateway sees the steps as clusters of token events (a cluster: events less than
+    MIN_INTERVAL_S apart). The time from one cluster to the next is one interval, closed
+    when the cluster is complete (the next event comes later), and split like the engine
+    meter splits a step (metering/cost.py): each sequence's own work from the step-time
+    model (core/step_time.py), plus an equal part of the fixed per-step work:
+      decode   every request past its first token was in the step: seq_cost(1, context);
+      prefill  a request whose first token ends the interval: what is left of its
+               prompt's work W = seq_cost(prompt - cached, prompt);
+      queued   a request sent but without a token yet takes part only in time the known
+               work does not explain: the interval's length beyond what the model predicts
+               for it (scaled by what decode-only intervals measured against the model),
+               given to the oldest such requests first, each up to what is left of its W.
+               A long prompt prefilled in chunks over several steps is charged in them;
+               one that waited in the replica's queue is not.
+    An interval in which nothing ran is idle. Each interval's cost is fully attributed:
+    per replica, requests + idle == machine cost (property-tested), and the estimate is
+    checked against a tierserve replica's exact meter (bench fleet metering).
 """
 
 from dataclasses import dataclass
@@ -26,23 +28,20 @@ from tierserve.core.stats import RequestCost
 from tierserve.core.step_time import StepTimeModel
 from tierserve.metering.cost import CostMeter
 
-GAP_SMOOTHING = 0.3
 MIN_INTERVAL_S = 0.002
-"""Events closer than this fall into one interval: a replica's chunks for a whole batch
-arrive within a millisecond, and splitting per chunk would cost the gateway CPU."""
+"""Events closer than this belong to one step: a replica's chunks for a whole batch
+arrive within a millisecond."""
+SCALE_SMOOTHING = 0.1
+"""How fast the measured/predicted ratio of decode-only intervals follows the replica."""
 
 
 @dataclass
 class _Running:
-    prompt_tokens: int
-    cached_tokens: int
+    sent: float
     prefill_left: float
     """Model seconds of prefill work not yet attributed."""
-    prefill_rate: float
     decoding: bool = False
     context: int = 0
-    gap_s: float = 0.0
-    last_token: float = 0.0
 
 
 class ReplicaMeter(CostMeter):
@@ -53,78 +52,104 @@ class ReplicaMeter(CostMeter):
         self.running: dict[str, _Running] = {}
         self.attributed = 0.0
         """Machine cost given to requests so far (the rest is idle)."""
+        self.scale = 1.0
+        """Measured / predicted length of decode-only intervals (smoothed)."""
         self._t: float | None = None
+        """Start of the open interval (the end of the last one)."""
+        self._cluster_end: float | None = None
+        """Last token event of the step being gathered; None before its first."""
+        self._firsts: set[str] = set()
 
     def start(self, request_id: str, now: float, prompt_tokens: int,
               cached_tokens: int = 0) -> None:
-        self.advance(now)
-        m = self.work_model
+        self._flush(now)
+        if not self.running:  # the replica was idle until now
+            self._close(now)
         new = max(1, prompt_tokens - cached_tokens)
-        work = m.seq_cost_s(new, prompt_tokens)
-        alone = max(m.predict_s([(new, prompt_tokens)]), 1e-6)
-        self.running[request_id] = _Running(prompt_tokens, cached_tokens, work, work / alone,
+        self.running[request_id] = _Running(now, self.work_model.seq_cost_s(new, prompt_tokens),
                                             context=prompt_tokens)
 
     def tokens(self, request_id: str, now: float, n: int = 1) -> None:
         """`n` output tokens arrived for the request (its first ones end its prefill)."""
-        self.advance(now)
+        self._flush(now)
         run = self.running.get(request_id)
         if run is None or n <= 0:
             return
-        if not run.decoding:  # prefill work the rate did not reach was paid by time
-            run.prefill_left, run.decoding = 0.0, True
-            run.gap_s = self.work_model.predict_s([(1, run.context)])
-        else:
-            gap = (now - run.last_token) / n
-            run.gap_s += GAP_SMOOTHING * (gap - run.gap_s)
+        if not run.decoding:
+            run.decoding = True
+            self._firsts.add(request_id)
         run.context += n
-        run.last_token = now
+        self._cluster_end = now
 
     def finish(self, request_id: str, now: float) -> RequestCost:
         """The request left the replica: its cost so far (forgotten here)."""
-        self.advance(now)
+        self._flush(now)
+        self._close(now)
         self.running.pop(request_id, None)
         return self.take(request_id)
 
+    def close_window(self, now: float) -> None:
+        """Idle time up to `now` is accounted; a replica at work keeps its interval."""
+        self._flush(now)
+        if not self.running:
+            self._close(now)
+
     # ------------------------------------------------------------ intervals
-    def advance(self, now: float) -> None:
-        """Close the interval up to `now` among the running requests."""
+    def _flush(self, now: float) -> None:
+        """Close the gathered step if `now` is past it."""
+        if self._cluster_end is not None and now - self._cluster_end >= MIN_INTERVAL_S:
+            self._close(self._cluster_end)
+
+    def _close(self, end: float) -> None:
+        """Split the interval up to `end` among the requests that worked in it."""
         if self._t is None:
-            self._t = now
-            self._last_end = now
+            self._t = self._last_end = end
             return
-        dt = now - self._t
-        if dt < MIN_INTERVAL_S:  # events this close share an interval (and its rates)
+        dt = end - self._t
+        if dt <= 0:
             return
-        rates = {rid: self._rate(run, dt) for rid, run in self.running.items()}
-        working = {rid: r for rid, r in rates.items()
-                   if r > 0 or self.running[rid].decoding}
-        if working:
-            self._split(self._t, dt, working)
-        self._t = now
+        m = self.work_model
+        work: dict[str, tuple[float, bool]] = {}  # request -> (model seconds, is prefill)
+        for rid, run in self.running.items():
+            if rid in self._firsts:
+                work[rid] = (run.prefill_left, True)
+                run.prefill_left = 0.0
+            elif run.decoding:
+                work[rid] = (m.seq_cost_s(1, run.context), False)
+        predicted = m.fixed_s + sum(w for w, _ in work.values()) if work else 0.0
+        queued = sorted((run.sent, rid) for rid, run in self.running.items()
+                        if not run.decoding and run.prefill_left > 0)
+        if work and not queued and not self._firsts and predicted > 0:
+            self.scale += SCALE_SMOOTHING * (dt / predicted - self.scale)
+        unexplained = dt / self.scale - predicted  # all of it when nothing else ran
+        for _, rid in queued:
+            if unexplained <= 0:
+                break
+            run = self.running[rid]
+            w = min(run.prefill_left, unexplained)
+            run.prefill_left -= w
+            unexplained -= w
+            work[rid] = (w, True)
+        if work:
+            self._split(dt, work)
+        else:
+            self._add_idle(end)
+        self._t = self._last_end = end
+        self._cluster_end = None
+        self._firsts.clear()
 
-    def _rate(self, run: _Running, dt: float) -> float:
-        if run.decoding:
-            return self.work_model.seq_cost_s(1, run.context) / max(run.gap_s, 1e-6)
-        return min(run.prefill_rate, run.prefill_left / dt)
-
-    def _split(self, start: float, dt: float, rates: dict[str, float]) -> None:
-        fixed = max(0.0, 1.0 - sum(rates.values())) / len(rates)
-        weights = {rid: r + fixed for rid, r in rates.items()}
-        total = sum(weights.values())
-        self._add_idle(start)
+    def _split(self, dt: float, work: dict[str, tuple[float, bool]]) -> None:
+        fixed = self.work_model.fixed_s / len(work)
+        total = sum(w for w, _ in work.values()) + self.work_model.fixed_s
         cost = dt * self.price_per_second
         self.machine_cost += cost
-        for rid, w in weights.items():
-            run = self.running[rid]
+        for rid, (w, is_prefill) in work.items():
             rc = self.costs[rid]
-            share = cost * w / total
+            share = cost * (w + fixed) / total if total > 0 else cost / len(work)
             self.attributed += share
-            if run.decoding:
-                rc.decode_cost += share
-            else:
+            if is_prefill:
                 rc.prefill_cost += share
-                run.prefill_left = max(0.0, run.prefill_left - rates[rid] * dt)
+            else:
+                rc.decode_cost += share
             rc.num_steps += 1
-            rc.batch_size_sum += len(rates)
-        self._last_end = start + dt
+            rc.batch_size_sum += len(work)

@@ -336,7 +336,7 @@ class FleetBackend:
         if not stats.num_output_tokens:
             stats.num_output_tokens = len(stats.token_times)
         if req.exact_cost is not None:
-            self.cost_checks.append((req.cost.machine_cost, req.exact_cost))
+            self.cost_checks.append((req.cost, req.exact_cost))
         if self.recorder is not None:
             stats.cost = req.cost
             stats.charge = self.recorder.finished(stats, req.cost)
