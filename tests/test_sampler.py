@@ -1,7 +1,9 @@
 """The sampler alone: top-k / top-p keep the right tokens; draws depend only on the seed."""
 
+import pytest
 import torch
 
+from tierserve.errors import InvalidRequestError
 from tierserve.sampling_params import SamplingParams
 from tierserve.worker.sampler import SamplingState, sample
 
@@ -44,3 +46,73 @@ def test_a_rows_draw_does_not_depend_on_its_neighbours():
                    + [state(9, temperature=0.0), state(5, temperature=2.0, top_k=3)],
                    [0] * 5)
     assert batch[2] == alone[0]
+
+
+def made(seed=0, prompt=(), vocab=4, **kw):
+    return SamplingState.create(SamplingParams(**kw), torch.Generator().manual_seed(seed), [],
+                                vocab, list(prompt))
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    assert sample(logits.clone(), [made(temperature=0.0, logit_bias={0: -100.0})], [0]) == [1]
+    assert sample(logits.clone(), [made(temperature=0.0, logit_bias={3: 100.0})], [0]) == [3]
+    for seed in range(50):  # a banned token is never drawn
+        (t,) = sample(logits.clone(), [made(seed, temperature=1.0, logit_bias={0: -100.0})], [0])
+        assert t != 0
+
+
+def test_frequency_and_presence_penalties_as_specified():
+    """frequency: minus count x penalty; presence: minus the penalty once (OpenAI's
+    definition), applied to greedy decoding too; other rows are untouched."""
+    logits = torch.tensor([[3.0, 2.5, 0.0, 0.0], [3.0, 2.5, 0.0, 0.0]])
+    freq = made(temperature=0.0, frequency_penalty=0.3)
+    plain = made(temperature=0.0)
+    assert sample(logits.clone(), [freq, plain], [0, 0]) == [0, 0]
+    assert sample(logits.clone(), [freq, plain], [1, 1]) == [0, 0]   # 3.0 - 0.3 > 2.5
+    assert sample(logits.clone(), [freq, plain], [2, 2]) == [1, 0]   # 3.0 - 0.6 < 2.5
+    pres = made(temperature=0.0, presence_penalty=0.6)
+    x = logits[:1].clone()
+    assert sample(x, [pres], [0]) == [0] and x[0, 0] == 3.0
+    x = logits[:1].clone()
+    assert sample(x, [pres], [1]) == [1] and x[0, 0] == pytest.approx(2.4)
+    x = logits[:1].clone()                         # once, however often it came
+    assert sample(x, [pres], [2]) == [0] and x[0, 0] == pytest.approx(2.4)
+    assert x[0, 1] == pytest.approx(1.9)
+
+
+def test_repetition_penalty_covers_the_prompt_and_both_signs():
+    logits = torch.tensor([[2.0, 1.5, -1.0, -1.2]])
+    s = made(temperature=0.0, repetition_penalty=1.5, prompt=[0, 2])
+    x = logits.clone()
+    assert sample(x, [s], [0]) == [1]              # 2.0 / 1.5 < 1.5
+    assert x[0, 2] == pytest.approx(-1.5) and x[0, 3] == pytest.approx(-1.2)
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.06, 0.04]]))
+    for seed in range(300):
+        (t,) = sample(logits.clone(), [made(seed, temperature=1.0, min_p=0.2)], [0])
+        assert t in (0, 1)                         # 0.06 < 0.2 x 0.6
+
+
+def test_penalised_rows_keep_their_draw_whatever_the_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(3, 50)
+    kw = dict(temperature=0.9, frequency_penalty=0.5, presence_penalty=0.2,
+              repetition_penalty=1.2, min_p=0.05, logit_bias={7: 2.0})
+    alone = made(11, prompt=[1, 2, 3], vocab=50, **kw)
+    mixed = made(11, prompt=[1, 2, 3], vocab=50, **kw)
+    a = [sample(logits[1:2].clone(), [alone], [i])[0] for i in range(5)]
+    b = [sample(logits.clone(), [made(i, vocab=50, temperature=1.0), mixed,
+                                 made(9, vocab=50, temperature=0.0)], [i] * 3)[1]
+         for i in range(5)]
+    assert a == b
+
+
+def test_sampling_parameters_are_checked():
+    for bad in [dict(min_p=1.5), dict(presence_penalty=3), dict(frequency_penalty=-2.5),
+                dict(repetition_penalty=0), dict(logit_bias={1: 200.0})]:
+        with pytest.raises(InvalidRequestError) as e:
+            SamplingParams(**bad)
+        assert e.value.param == next(iter(bad))

@@ -27,6 +27,16 @@ class SamplingParams:
     """Keep generating past EOS (for benchmarks)."""
     skip_special_tokens: bool = True
     """Drop special tokens from the decoded text."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 keeps all."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already produced."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was produced."""
+    repetition_penalty: float = 1.0
+    """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids (-100 bans, 100 forces)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +59,13 @@ class SamplingParams:
              "must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (all(isinstance(t, int) and t >= 0 and -100.0 <= v <= 100.0
+                 for t, v in self.logit_bias.items()), "logit_bias",
+             "must map token ids to values in [-100, 100]"),
         ]
         for ok, param, rule in checks:
             if not ok:
@@ -58,3 +75,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Does sampling need the request's token counts?"""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)

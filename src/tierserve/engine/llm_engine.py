@@ -144,7 +144,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
                                            params.skip_special_tokens, params.min_tokens)
-        self.runner.add_request(request_id, params, self.eos_token_id)
+        self.runner.add_request(request_id, params, self.eos_token_id, prompt_ids)
         stats = self.core.add(request, asked)
         self._tracked[request_id] = _Tracked(request, prompt_text, params, detok, stats)
         return request_id

@@ -10,11 +10,14 @@ there) is each backend's own business.
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierserve.core.request import Tier
 from tierserve.engine.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tierserve.model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -49,6 +52,8 @@ class Backend(Protocol):
     """Per-tier latency targets (config.SLO), for SLO attainment."""
     errored: BaseException | None
     """Set when the backend can no longer serve (health answers 503)."""
+    tokenizer: "Tokenizer | None"
+    """The model's tokenizer where this process has it (/tokenize, echo)."""
 
     def served_tier(self, tier: Tier) -> Tier:
         """The tier a request asking for `tier` is served and billed in."""
@@ -58,8 +63,9 @@ class Backend(Protocol):
         renders a chat with the model's template); raises InvalidRequestError."""
 
     async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
-                     priority: int = 0) -> str:
-        """Queue one request; its id. Raises TierserveError, queuing nothing."""
+                     priority: int = 0, request_id: str | None = None) -> str:
+        """Queue one request under `request_id` (None: one is made); its id. Raises
+        TierserveError, queuing nothing."""
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Its outputs until it finishes; closing early aborts it."""

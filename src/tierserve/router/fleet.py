@@ -32,7 +32,8 @@ from tierserve.core.request import Tier
 from tierserve.core.stats import RequestCost, RequestStats
 from tierserve.core.step_time import StepTimeModel
 from tierserve.engine.outputs import CompletionOutput, RequestOutput, read_outputs
-from tierserve.errors import ReplicaUnavailableError, TierserveError, UpstreamError
+from tierserve.errors import (InvalidRequestError, ReplicaUnavailableError, TierserveError,
+                              UpstreamError)
 from tierserve.metering.estimate import ReplicaMeter
 from tierserve.router import remote
 from tierserve.router.backend import Chat, Load, Prompt
@@ -65,6 +66,12 @@ class _Request:
     """Machine cost a tierserve replica reported, to check the estimate."""
     task: asyncio.Task | None = None
     done: bool = False
+
+
+DEFAULT_PARAMS = SamplingParams()
+PASSED_THROUGH = ("presence_penalty", "frequency_penalty", "min_p", "repetition_penalty",
+                  "stop_token_ids", "skip_special_tokens")
+"""Sampling fields sent to a replica when set (the first two are OpenAI's own)."""
 
 
 class FleetBackend:
@@ -111,11 +118,13 @@ class FleetBackend:
         return prompt
 
     async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
-                     priority: int = 0) -> str:
+                     priority: int = 0, request_id: str | None = None) -> str:
         self._start()
         if not any(r.takes(tier) for r in self.gateway.replicas):
             raise ReplicaUnavailableError("no healthy replica can take this request now")
-        rid = f"fleet-{next(self._ids)}"
+        rid = request_id or f"fleet-{next(self._ids)}"
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         now = self.clock.now()
         tokens = self._tokens(prompt)
         n = len(tokens) if tokens is not None else \
@@ -284,6 +293,11 @@ class FleetBackend:
             body["seed"] = p.seed
         if p.ignore_eos:
             body["ignore_eos"] = True
+        for name in PASSED_THROUGH:  # under vLLM's names, only where not the default
+            if getattr(p, name) != getattr(DEFAULT_PARAMS, name):
+                body[name] = getattr(p, name)
+        if p.logit_bias:
+            body["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
         if isinstance(req.prompt, Chat):
             path, body["messages"] = "/v1/chat/completions", req.prompt.messages
         else:

@@ -37,8 +37,9 @@ class LocalBackend:
         return self.tokenizer.apply_chat_template(prompt.messages)
 
     async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
-                     priority: int = 0) -> str:
-        return await self.deployment.add_request(prompt, params, tier=tier, priority=priority)
+                     priority: int = 0, request_id: str | None = None) -> str:
+        return await self.deployment.add_request(prompt, params, request_id, tier=tier,
+                                                 priority=priority)
 
     def stream(self, request_id: str):
         return self.deployment.stream(request_id)

@@ -17,8 +17,10 @@ from tierserve.batch.routes import CHUNK
 from tierserve.core.request import Tier
 from tierserve.core.stats import RequestStats
 from tierserve.engine.async_engine import AsyncEngine
-from tierserve.errors import (AuthenticationError, NotFoundError, OverloadedError,
-                              RequestTooLargeError, TierNotAllowedError, TierserveError)
+from tierserve import __version__
+from tierserve.errors import (AuthenticationError, InvalidRequestError, NotFoundError,
+                              OverloadedError, RequestTooLargeError, TierNotAllowedError,
+                              TierserveError)
 from tierserve.metering.ledger import Ledger
 from tierserve.metering.recorder import Recorder
 from tierserve.router.backend import Backend
@@ -29,7 +31,8 @@ from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
 from tierserve.server.metrics import Metrics
-from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest)
 from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant, resolve_tier
 
 
@@ -79,6 +82,13 @@ class ServerState:
         if key not in keys:
             raise AuthenticationError("missing or invalid API key (Authorization: Bearer ...)")
         return keys[key]
+
+    def tokenizer(self):
+        tok = self.ready().tokenizer
+        if tok is None:
+            raise NotFoundError("this server has no tokenizer for its model (a gateway "
+                                "started without the model's files)")
+        return tok
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -130,13 +140,47 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
                                 status_code=503)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "tierserve",
+                "max_model_len": state.ready().max_model_len}
+
     @app.get("/v1/models")
     async def models(request: Request):
         state.authenticate(request)
-        backend = state.ready()
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "tierserve",
-            "max_model_len": backend.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        state.authenticate(request)
+        state.check_model(model_id)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        state.authenticate(request)
+        state.check_model(body.model)
+        tok = state.tokenizer()
+        if body.messages is not None:
+            tokens = tok.apply_chat_template([{"role": m.template_role, "content": m.text()}
+                                              for m in body.messages])
+        else:
+            tokens = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": state.ready().max_model_len,
+                "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        state.authenticate(request)
+        state.check_model(body.model)
+        tok = state.tokenizer()
+        if any(t < 0 or t >= tok.vocab_size for t in body.tokens):
+            raise InvalidRequestError(f"tokens must be ids in [0, {tok.vocab_size})",
+                                      param="tokens")
+        return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
     async def metrics():

@@ -24,7 +24,7 @@ def prompts(state, body: ChatCompletionRequest | CompletionRequest) -> list[Prom
     """The prompts of one request, as the backend takes them."""
     backend = state.ready()
     if isinstance(body, ChatCompletionRequest):
-        return [backend.prepare(Chat([{"role": m.role, "content": m.text()}
+        return [backend.prepare(Chat([{"role": m.template_role, "content": m.text()}
                                       for m in body.messages]))]
     p = body.prompt
     found = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -46,18 +46,20 @@ async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
         state.check_model(body.model)
         found = prompts(state, body)
-        run, tier = await start(state, body, found, tenant, tier=Tier.BATCH, tags=tags,
+        rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        run, tier = await start(state, body, found, tenant, rid, tier=Tier.BATCH, tags=tags,
                                 queue_limit=False)
-        result, _ = await collect(state, run, kind, tier, len(found))
+        result, _ = await collect(state, run, kind, tier, body, found)
         return 200, result
     except TierserveError as exc:
         return error_body(exc)
 
 
-async def start(state, body, prompts: list, tenant: Tenant, tier: Tier | None = None,
+async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier | None = None,
                 tags: dict | None = None, queue_limit: bool = True) -> tuple["ChoiceRun", str]:
     """Admit the request and add every choice to the backend; `tier` None: from the body.
-    Returns the run and the name of the tier that serves it."""
+    The first choice runs under the response's id `rid`, choice i under `rid-i`: the ledger
+    row of a response is found by its id. Returns the run and the tier that serves it."""
     if body.n > state.settings.max_n:
         raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
     backend = state.ready()
@@ -70,17 +72,19 @@ async def start(state, body, prompts: list, tenant: Tenant, tier: Tier | None = 
     try:
         for prompt in prompts:
             for p in params:
-                request_id = await run.add(prompt, p, asked, body.priority)
+                index = len(run.request_ids)
+                request_id = await run.add(prompt, p, asked, body.priority,
+                                           f"{rid}-{index}" if index else rid)
                 state.recorder.register(request_id, tenant.name, asked.label,
-                                        {**(body.metadata or {}), **(tags or {})})
+                                        {**body.tags(), **(tags or {})})
     except Exception:
         run.close()
         raise
     return run, served
 
 
-async def collect(state, run: "ChoiceRun", kind: str, tier: str,
-                  num_prompts: int) -> tuple[dict, list]:
+async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
+                  prompts: list) -> tuple[dict, list]:
     """Wait for every choice: (the whole response body, the final outputs)."""
     try:
         finals = {}
@@ -90,15 +94,33 @@ async def collect(state, run: "ChoiceRun", kind: str, tier: str,
     finally:
         run.close()
     outputs = [finals[i] for i in range(len(run.request_ids))]
-    rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    return fmt.completion_body(kind, rid, state.model_name, tier, outputs, num_prompts), outputs
+    result = fmt.completion_body(kind, run.request_ids[0], state.model_name, tier, outputs,
+                                 len(prompts), echoes(state, body, prompts))
+    return result, outputs
+
+
+def echoes(state, body, prompts: list) -> list[str] | None:
+    """With `echo`, each prompt's text (put ahead of its choices' text)."""
+    if not getattr(body, "echo", False):
+        return None
+    texts = []
+    for p in prompts:
+        if isinstance(p, str):
+            texts.append(p)
+        elif state.backend.tokenizer is not None:
+            texts.append(state.backend.tokenizer.decode(list(p), skip_special_tokens=False))
+        else:
+            raise InvalidRequestError("echo of a token-id prompt needs the model's tokenizer, "
+                                      "which this gateway does not have", param="echo")
+    return texts
 
 
 async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
     """Answer one HTTP request, whole or as a stream."""
-    run, tier = await start(state, body, prompts, tenant)
+    echo = echoes(state, body, prompts)
+    rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
+    run, tier = await start(state, body, prompts, tenant, rid)
     if body.stream:
-        rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
         events = run.outputs()
         first = None
         if tier == "flex":  # a flex request may be refused: answer 429, not a broken stream
@@ -108,17 +130,19 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
                 run.close()
                 raise
         return StreamingResponse(_sse(run, events, first, kind, rid, state.model_name, tier,
-                                      body, len(prompts)),
+                                      body, len(prompts), echo),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
+                                 headers={"Cache-Control": "no-cache", "x-request-id": rid,
                                           "x-tierserve-served-tier": tier})
-    result, outputs = await collect(state, run, kind, tier, len(prompts))
-    return JSONResponse(result, headers=fmt.cost_headers(outputs, tier))
+    result, outputs = await collect(state, run, kind, tier, body, prompts)
+    return JSONResponse(result, headers={"x-request-id": rid,
+                                         **fmt.cost_headers(outputs, tier)})
 
 
 async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
-               body, num_prompts: int):
-    """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`)."""
+               body, num_prompts: int, echo: list[str] | None = None):
+    """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`);
+    with `echo`, a choice's first chunk starts with its prompt."""
     include_usage = body.include_usage
     started, finals = set(), {}
 
@@ -133,6 +157,8 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
             first = index not in started
             started.add(index)
             text = out.delta_text
+            if first and echo:
+                text = echo[index * num_prompts // len(run.request_ids)] + (text or "")
             if text or first:
                 yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage)
             if out.finished:
@@ -163,8 +189,9 @@ class ChoiceRun:
         self._done: set[str] = set()
         self._closed = False
 
-    async def add(self, prompt: Prompt, params, tier: Tier, priority: int = 0) -> str:
-        rid = await self.backend.submit(prompt, params, tier, priority)
+    async def add(self, prompt: Prompt, params, tier: Tier, priority: int = 0,
+                  request_id: str | None = None) -> str:
+        rid = await self.backend.submit(prompt, params, tier, priority, request_id)
         self.request_ids.append(rid)
         return rid
 

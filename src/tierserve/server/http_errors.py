@@ -56,4 +56,7 @@ def validation_error(errors: list) -> InvalidRequestError:
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
         message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "extra_forbidden":  # OpenAI's words for an unknown argument
+        return InvalidRequestError(f"Unrecognized request argument supplied: {param}",
+                                   param=param, code="unknown_parameter")
     return InvalidRequestError(f"{param}: {message}" if param else message, param=param)

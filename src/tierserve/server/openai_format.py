@@ -32,6 +32,8 @@ def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: str | None =
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 0,
+                                      "rejected_prediction_tokens": 0},
         "timing": {"queue_s": worst(lambda s: s.queue_s),
                    "prefill_s": worst(lambda s: s.prefill_s),
                    "decode_s": worst(lambda s: s.decode_s)},
@@ -63,14 +65,17 @@ def cost_headers(outputs: list[RequestOutput], tier: str) -> dict:
 
 
 def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[RequestOutput],
-                    num_prompts: int) -> dict:
+                    num_prompts: int, echo: list[str] | None = None) -> dict:
+    """`echo`: each prompt's text, put ahead of its choices' text (completions)."""
     if kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
                     "logprobs": None, "finish_reason": o.outputs[0].finish_reason}
                    for i, o in enumerate(outputs)]
         obj = "chat.completion"
     else:
-        choices = [{"index": i, "text": o.outputs[0].text, "logprobs": None,
+        per_prompt = len(outputs) // max(num_prompts, 1)
+        choices = [{"index": i, "text": (echo[i // per_prompt] if echo else "")
+                    + o.outputs[0].text, "logprobs": None,
                     "finish_reason": o.outputs[0].finish_reason}
                    for i, o in enumerate(outputs)]
         obj = "text_completion"

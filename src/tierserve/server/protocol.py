@@ -1,23 +1,61 @@
-"""Request bodies of the OpenAI API (plus vLLM's extras). Unknown fields are ignored.
+"""Request bodies of the OpenAI API (plus vLLM's extras).
 
-Field objects are shared by chat and completions so the two never drift apart.
+NOTE: no field is ignored
+    A client that asked for JSON and silently got prose is worse off than one told no. So:
+    a field this server does not know is a 400 naming it (OpenAI's answer to an unknown
+    argument); a field of the OpenAI API that is not implemented here is accepted only
+    with the value that asks for nothing (`tools: []`, `logprobs: false`, `store: false`)
+    and is otherwise a 400 saying it is not supported. Field objects are shared by chat
+    and completions so the two never drift apart.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tierserve.errors import InvalidRequestError
 from tierserve.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _nothing(v: Any) -> bool:
+    return v is None or v is False or v == [] or v == {} or v == 0
+
+
+NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
+    # field: (test of the value that asks for nothing, what to say)
+    "tools": (_nothing, "tool calling is not supported by this server yet"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported yet"),
+    "parallel_tool_calls": (lambda v: v in (None, True, False), ""),
+    "functions": (_nothing, "function calling is not supported (and deprecated: tools)"),
+    "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "structured output is not supported by this server yet"),
+    "logprobs": (_nothing, "logprobs are not supported by this server yet"),
+    "top_logprobs": (_nothing, "logprobs are not supported by this server yet"),
+    "audio": (_nothing, "audio output is not supported"),
+    "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
+    "prediction": (_nothing, "predicted outputs are not supported"),
+    "reasoning_effort": (_nothing, "this model has no reasoning effort setting"),
+    "verbosity": (_nothing, "verbosity is not supported"),
+    "web_search_options": (_nothing, "web search is not supported"),
+    "store": (_nothing, "stored completions are not supported"),
+    "prompt_cache_key": (_nothing, "the prefix cache is automatic here; no key is taken"),
+    "best_of": (lambda v: v in (None, 1), "best_of is not supported (use n)"),
+    "suffix": (lambda v: v in (None, ""), "suffix (insertion) is not supported"),
+}
+"""OpenAI fields this server does not implement."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Request(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -30,12 +68,34 @@ class _Request(BaseModel):
     seed: int | None = None
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     user: str | None = None
+    """Recorded in the ledger's tags, as `user`."""
+    safety_identifier: str | None = None
+    """Recorded in the ledger's tags, as `safety_identifier`."""
     metadata: dict[str, str] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[int, float] | None = None
     # vLLM-style extras
     priority: int = 0
     top_k: int | None = Field(None, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in set(data) & set(NOT_SUPPORTED):
+            asks_nothing, why = NOT_SUPPORTED[name]
+            if not asks_nothing(data[name]):
+                raise InvalidRequestError(f"{name} is not supported: {why}", param=name,
+                                          code="unsupported_parameter")
+        return {k: v for k, v in data.items() if k not in NOT_SUPPORTED}
 
     def sampling_params(self, choice: int = 0) -> SamplingParams:
         """Choice i of n gets seed + i, so n choices differ but each is reproducible."""
@@ -46,29 +106,53 @@ class _Request(BaseModel):
             max_tokens=self.max_completion_tokens or self.max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids or []),
             seed=None if self.seed is None else self.seed + choice,
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=dict(self.logit_bias or {}))
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def tags(self) -> dict[str, str]:
+        """What the ledger records with the request: metadata, user, safety_identifier."""
+        ids = {k: v for k, v in (("user", self.user),
+                                 ("safety_identifier", self.safety_identifier)) if v}
+        return {**(self.metadata or {}), **ids}
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _no_names(cls, v):
+        if v:  # chat templates have no place for it: it would be dropped
+            raise ValueError("message names are not supported by this model's template")
+        return v
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    @property
+    def template_role(self) -> str:
+        """`developer` is the newer name of `system` (OpenAI's reasoning models)."""
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatCompletionRequest(_Request):
@@ -78,3 +162,24 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    """The prompt's text ahead of each choice's text."""
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text, or a chat rendered with the model's template."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    model: str
+    tokens: list[int]

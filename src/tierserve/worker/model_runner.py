@@ -8,6 +8,7 @@ sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
 import torch
 
 from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
+from tierserve.errors import InvalidRequestError
 from tierserve.model import cpu_attention
 from tierserve.model.cpu_linear import can_pack, pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
@@ -34,15 +35,20 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self._seed_stream = torch.Generator().manual_seed(seed)
 
-    def add_request(self, request_id: str, params: SamplingParams, eos_token_id: int | None):
+    def add_request(self, request_id: str, params: SamplingParams, eos_token_id: int | None,
+                    prompt_token_ids: list[int] = ()):
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
         banned = list(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             banned.append(eos_token_id)
-        self.states[request_id] = SamplingState(
-            params, torch.Generator().manual_seed(seed), banned)
+        vocab = self.model.shape.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias names a token id beyond the vocabulary "
+                                      f"({vocab} tokens)", param="logit_bias")
+        self.states[request_id] = SamplingState.create(
+            params, torch.Generator().manual_seed(seed), banned, vocab, list(prompt_token_ids))
 
     def remove_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -5,7 +5,17 @@ seed, or by the engine's seed stream). A step draws exactly one uniform number p
 request from that request's generator and picks the token where the cumulative
 probability crosses it. What a request draws therefore depends only on its own seed and
 its own logits, never on which other requests share the batch, while the heavy work
-(temperature, top-k, top-p, softmax, cumsum) stays batched.
+(temperature, top-k, top-p, min-p, softmax, cumsum) stays batched.
+
+NOTE: what changes the logits, in order (vLLM's order and definitions)
+    1. logit_bias, added to the named tokens;
+    2. penalties on the tokens the request has produced (and, for the repetition penalty,
+       its prompt): frequency (minus the count times the penalty), presence (minus the
+       penalty once), repetition (positive logits divided by it, negative ones multiplied);
+    3. tokens banned before min_tokens; then greedy takes the argmax, and sampling applies
+       temperature, top-k, softmax, top-p and min-p (tokens below min_p times the most
+       likely one's probability are dropped).
+    Only the rows of requests that asked for something are touched.
 """
 
 from dataclasses import dataclass, field
@@ -22,10 +32,35 @@ class SamplingState:
     generator: torch.Generator
     banned_before_min: list[int] = field(default_factory=list)
     """EOS and stop token ids, masked while fewer than min_tokens are out."""
+    counts: Tensor | None = None
+    """How often each token was produced ([V] float32), for the penalties."""
+    prompt_seen: Tensor | None = None
+    """Tokens of the prompt ([V] bool), for the repetition penalty."""
+    bias: tuple[Tensor, Tensor] | None = None
+    """logit_bias as (token ids, values)."""
+
+    @classmethod
+    def create(cls, params: SamplingParams, generator: torch.Generator, banned: list[int],
+               vocab_size: int, prompt_token_ids: list[int]) -> "SamplingState":
+        state = cls(params, generator, banned)
+        if params.penalized:
+            state.counts = torch.zeros(vocab_size)
+        if params.repetition_penalty != 1.0:
+            state.prompt_seen = torch.zeros(vocab_size, dtype=torch.bool)
+            state.prompt_seen[torch.tensor(prompt_token_ids, dtype=torch.long)] = True
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            state.bias = ids, torch.tensor(list(params.logit_bias.values()))
+        return state
+
+    def produced(self, token: int) -> None:
+        if self.counts is not None:
+            self.counts[token] += 1
 
 
 def sample(logits: Tensor, states: list[SamplingState], num_outputs: list[int]) -> list[int]:
     """logits: [S, V] float32, one row per sampled request. Returns S token ids."""
+    _adjust(logits, states)
     for i, (state, n) in enumerate(zip(states, num_outputs)):
         if n < state.params.min_tokens and state.banned_before_min:
             logits[i, state.banned_before_min] = float("-inf")
@@ -34,7 +69,37 @@ def sample(logits: Tensor, states: list[SamplingState], num_outputs: list[int]) 
     if rows:
         chosen = _sample_random(logits[rows], [states[i] for i in rows])
         tokens[rows] = chosen
-    return tokens.tolist()
+    out = tokens.tolist()
+    for state, token in zip(states, out):
+        state.produced(token)
+    return out
+
+
+def _adjust(logits: Tensor, states: list[SamplingState]) -> None:
+    """logit_bias, then the penalties, on the rows that asked for them (in place)."""
+    for i, s in enumerate(states):
+        if s.bias is not None:
+            ids, values = s.bias
+            logits[i, ids] += values
+    rows = [i for i, s in enumerate(states) if s.counts is not None]
+    if not rows:
+        return
+    counts = torch.stack([states[i].counts for i in rows])            # [R, V]
+    params = [states[i].params for i in rows]
+    sub = logits[rows]
+    freq = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+    sub -= freq * counts + pres * (counts > 0)
+    reps = [p.repetition_penalty for p in params]
+    if any(r != 1.0 for r in reps):
+        seen = counts > 0
+        for j, i in enumerate(rows):
+            if states[i].prompt_seen is not None:
+                seen[j] |= states[i].prompt_seen
+        rep = torch.tensor(reps).unsqueeze(1).expand_as(sub)
+        rep = torch.where(seen, rep, torch.ones_like(rep))
+        sub = torch.where(sub > 0, sub / rep, sub * rep)
+    logits[rows] = sub
 
 
 def _sample_random(logits: Tensor, states: list[SamplingState]) -> Tensor:
@@ -48,6 +113,10 @@ def _sample_random(logits: Tensor, states: list[SamplingState]) -> Tensor:
     top_ps = [p.top_p for p in params]
     if any(p < 1.0 for p in top_ps):
         probs = _apply_top_p(probs, top_ps)
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        floor = torch.tensor(min_ps).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)                 # keeps the top one
     cdf = probs.cumsum(dim=-1)                                        # [S, V]
     # 1 - U is in (0, 1], so the pick always lands on a token with non-zero probability.
     u = torch.tensor([1.0 - torch.rand(1, generator=s.generator).item() for s in states],

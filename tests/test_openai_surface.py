@@ -1,0 +1,155 @@
+"""The OpenAI request surface on the real default model over real HTTP: nothing is accepted
+and ignored (unknown and unsupported fields are 400s naming the field), the sampling fields
+do what they say, and vLLM's utility routes answer as vLLM's do."""
+
+import json
+import time
+
+import httpx
+import pytest
+
+from test_server import MODEL, LiveServer
+from tierserve.server.settings import ServerSettings
+
+openai = pytest.importorskip("openai")
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    db = tmp_path_factory.mktemp("ledger") / "l.db"
+    srv = LiveServer(ServerSettings(ledger=str(db), machine_price_per_hour=1.0))
+    srv.ledger_path = db
+    yield srv
+    srv.stop()
+
+
+REFUSED = [
+    # (endpoint, extra fields, param, code)
+    ("chat", {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "unsupported_parameter"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter"),
+    ("chat", {"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
+    ("chat", {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options",
+     "unknown_parameter"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages",
+     None),
+    ("chat", {"presence_penalty": 3}, "presence_penalty", None),
+    ("chat", {"logit_bias": {"999999": 5}}, "logit_bias", None),
+    ("completion", {"best_of": 3}, "best_of", "unsupported_parameter"),
+    ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter"),
+    ("completion", {"logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ("completion", {"echo": True, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+]
+
+
+@pytest.mark.parametrize("kind,extra,param,code", REFUSED)
+def test_unknown_and_unsupported_fields_are_400s_naming_the_field(server, kind, extra, param,
+                                                                  code):
+    body = {"model": MODEL, "max_tokens": 2,
+            **({"messages": HI} if kind == "chat" else {"prompt": "hi"}), **extra}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"].startswith(param)
+    assert param in err["message"]
+    if code:
+        assert err["code"] == code
+
+
+def test_fields_that_ask_for_nothing_are_accepted(server):
+    """What SDKs send by default (empty tools, logprobs false, store false, text format)."""
+    r = server.client().chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=2, tools=[], logprobs=False, store=False,
+        response_format={"type": "text"}, parallel_tool_calls=True, modalities=["text"])
+    assert r.choices[0].message.content is not None
+    details = r.usage.completion_tokens_details
+    assert details is not None and details.reasoning_tokens == 0
+
+
+def test_developer_messages_act_as_system(server):
+    def answer(role):
+        return server.client().chat.completions.create(
+            model=MODEL, temperature=0, max_tokens=12, messages=[
+                {"role": role, "content": "You only answer in French."},
+                {"role": "user", "content": "What colour is the sky?"}]).choices[0].message.content
+    assert answer("developer") == answer("system")
+
+
+def test_the_response_id_is_the_ledgers_request_id(server):
+    from tierserve.metering.ledger import connect
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": HI, "max_tokens": 3, "n": 2, "user": "user-7"})
+    rid = r.json()["id"]
+    assert r.headers["x-request-id"] == rid
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}) as s:
+        sid = s.headers["x-request-id"]
+        ids = {json.loads(x[6:])["id"] for x in s.iter_lines() if x.startswith("data: {")}
+    assert ids == {sid}
+    server.wait_idle()
+    deadline = time.time() + 10  # the ledger commits every 0.25 s
+    while True:
+        rows = dict(connect(server.ledger_path).execute(
+            "SELECT request_id, tags FROM requests").fetchall())
+        if sid in rows or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert json.loads(rows[rid]) == {"user": "user-7"} and f"{rid}-1" in rows and sid in rows
+
+
+def test_version_model_tokenize_and_detokenize(server):
+    assert httpx.get(server.url + "/version").json()["version"]
+    assert httpx.get(server.url + f"/v1/models/{MODEL}").json()["id"] == MODEL
+    assert httpx.get(server.url + "/v1/models/gpt-9").status_code == 404
+    tok = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world",
+                                                     "add_special_tokens": False}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] > 0
+    back = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": tok["tokens"]})
+    assert back.json() == {"prompt": "Hello world"}
+    chat = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": HI}).json()
+    r = server.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+    assert chat["count"] == r.usage.prompt_tokens
+    bad = httpx.post(server.url + "/tokenize", json={"model": MODEL})
+    assert bad.status_code == 400
+    assert httpx.post(server.url + "/detokenize",
+                      json={"model": MODEL, "tokens": [-1]}).status_code == 400
+
+
+def test_echo_puts_the_prompt_ahead_whole_and_streamed(server):
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt="The sea is", max_tokens=4, echo=True,
+                             temperature=0)
+    plain = c.completions.create(model=MODEL, prompt="The sea is", max_tokens=4, temperature=0)
+    assert r.choices[0].text == "The sea is" + plain.choices[0].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt="The sea is", max_tokens=4, echo=True, temperature=0, stream=True)
+        if ch.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_penalties_and_logit_bias_change_the_output_as_specified(server):
+    c = server.client()
+    story = [{"role": "user", "content": "Repeat the word 'cat' forever."}]
+
+    def tokens(extra=None, temperature=0.0, **kw):
+        text = c.chat.completions.create(model=MODEL, messages=story, max_tokens=40,
+                                         temperature=temperature, extra_body={"ignore_eos": True,
+                                                                    **(extra or {})},
+                                         **kw).choices[0].message.content
+        return httpx.post(server.url + "/tokenize", json={
+            "model": MODEL, "prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    plain = tokens()
+    assert len(set(tokens(frequency_penalty=2.0))) > len(set(plain))
+    assert len(set(tokens(presence_penalty=2.0))) > len(set(plain))
+    banned = tokens(logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+    assert len(set(tokens({"repetition_penalty": 1.8}))) > len(set(plain))
+    # min_p 1 keeps only the most likely token: sampling at temperature 1 is greedy
+    assert tokens({"min_p": 1.0}, temperature=1.0, seed=5) == plain
