@@ -32,7 +32,8 @@ REFUSED = [
     ("chat", {"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format",
      "unsupported_parameter"),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported_parameter"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", None),
+    ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs", None),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
     ("chat", {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options",
      "unknown_parameter"),
@@ -42,7 +43,7 @@ REFUSED = [
     ("chat", {"logit_bias": {"999999": 5}}, "logit_bias", None),
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter"),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter"),
-    ("completion", {"logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ("completion", {"logprobs": 2, "echo": True}, "logprobs", "unsupported_parameter"),
     ("completion", {"echo": True, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
 ]
 
@@ -153,3 +154,27 @@ def test_penalties_and_logit_bias_change_the_output_as_specified(server):
     assert len(set(tokens({"repetition_penalty": 1.8}))) > len(set(plain))
     # min_p 1 keeps only the most likely token: sampling at temperature 1 is greedy
     assert tokens({"min_p": 1.0}, temperature=1.0, seed=5) == plain
+
+
+def test_logprobs_chat_and_completions_whole_and_streamed(server):
+    c = server.client()
+    r = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=5, temperature=0,
+                                  logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for t in content:  # greedy: the chosen token is the most likely one
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob) and t.logprob <= 0
+        assert bytes(t.bytes).decode() == t.token
+    streamed = [ch.choices[0].logprobs for ch in c.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3,
+        stream=True) if ch.choices and ch.choices[0].logprobs]
+    assert [t.logprob for lp in streamed for t in lp.content] == pytest.approx(
+        [t.logprob for t in content], abs=1e-4)
+    assert c.chat.completions.create(model=MODEL, messages=HI, max_tokens=2).choices[0] \
+        .logprobs is None
+    p = c.completions.create(model=MODEL, prompt="The sea is", max_tokens=4, logprobs=2,
+                             temperature=0).choices[0].logprobs
+    assert len(p.tokens) == len(p.token_logprobs) == len(p.top_logprobs) == 4
+    assert p.text_offset[0] == 0 and all(len(x) == 2 for x in p.top_logprobs)

@@ -87,3 +87,27 @@ def test_chunked_prefill_logits_match_transformers(hf_model):
         first = our_logits(engine.runner, "chunks", prompt[:13], 0, table)
         rest = our_logits(engine.runner, "chunks", prompt[13:], 13, table)
     assert (torch.cat([first, rest]) - ref).abs().max().item() < BOUND
+
+
+def test_returned_logprobs_are_the_models_own_distribution(hf_model):
+    """logprobs of sampled tokens (and the top alternatives) against transformers' forward
+    pass over the same tokens: the model's distribution, before temperature or penalties,
+    whatever else shares the batch."""
+    from conftest import generate, get_engine
+    from tierserve.sampling_params import SamplingParams
+    engine = get_engine()
+    prompt = engine.tokenizer.encode("The capital of France is")
+    asked = SamplingParams(temperature=0.8, seed=4, max_tokens=6, logprobs=5,
+                           frequency_penalty=1.0, ignore_eos=True)
+    out, _ = generate(engine, [prompt, prompt[:3]],
+                      [asked, SamplingParams(temperature=0, max_tokens=6)])
+    c = out.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 6
+    with torch.inference_mode():
+        ref = hf_model(torch.tensor([prompt + c.token_ids])).logits[0].log_softmax(-1)
+    for i, (token, (lp, top)) in enumerate(zip(c.token_ids, c.logprobs)):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(lp - row[token].item()) < 1e-3
+        assert [t for t, _ in top] == row.topk(5).indices.tolist()
+        assert all(abs(x - row[t].item()) < 1e-3 for t, x in top)
+        assert lp <= top[0][1] + 1e-6 and sum(torch.tensor([x for _, x in top]).exp()) <= 1

@@ -4,6 +4,8 @@ from dataclasses import dataclass, field
 
 from tierserve.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -37,6 +39,10 @@ class SamplingParams:
     """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to the logits of these token ids (-100 bans, 100 forces)."""
+    logprobs: int | None = None
+    """Return each output token's log-probability and the `logprobs` most likely
+    alternatives' (0: the token's own only; None: nothing). They are the model's own
+    distribution, before temperature, penalties and bias (vLLM's default)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +66,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),

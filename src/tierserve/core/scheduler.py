@@ -102,6 +102,8 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     """Next token of every sequence whose ScheduledSeq had sample=True."""
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    """For requests that asked: the token's logprob and the top (token, logprob) pairs."""
 
 
 @dataclass

@@ -5,7 +5,7 @@ what is the engine's own is the model runner, tokenizing and detokenizing.
 """
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tierserve.config import EngineConfig
 from tierserve.core.clock import Clock
@@ -31,6 +31,8 @@ class _Tracked:
     detokenizer: IncrementalDetokenizer | None
     stats: RequestStats
     num_sent_tokens: int = 0
+    logprobs: list = field(default_factory=list)
+    """Per output token, where the request asked for logprobs."""
 
 
 class LLMEngine:
@@ -212,6 +214,10 @@ class LLMEngine:
         end = self.clock.now()
         touched = self.core.apply(scheduled, result, start, end,
                                   measured_s=end - begin)  # the whole step, as a token waits
+        for rid, entry in result.logprobs.items():
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                tracked.logprobs.append(entry)
         return outputs + [self._output(self._tracked[r.request_id], end) for r in touched]
 
     def _output(self, tracked: _Tracked, now: float) -> RequestOutput:
@@ -231,7 +237,8 @@ class LLMEngine:
         delta = detok.take_delta(finished) if detok is not None else ""
         completion = CompletionOutput(
             index=0, text=detok.text if detok else "", token_ids=list(request.output_token_ids),
-            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason)
+            finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+            logprobs=list(tracked.logprobs) if tracked.params.logprobs is not None else None)
         if finished:
             self._finish(tracked, now)
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,

@@ -17,6 +17,8 @@ class CompletionOutput:
     """None while running; then "stop", "length" or "abort"."""
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the request, if any."""
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    """Per output token (with SamplingParams.logprobs): its logprob, the top alternatives."""
 
 
 @dataclass

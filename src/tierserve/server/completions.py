@@ -95,7 +95,8 @@ async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
         run.close()
     outputs = [finals[i] for i in range(len(run.request_ids))]
     result = fmt.completion_body(kind, run.request_ids[0], state.model_name, tier, outputs,
-                                 len(prompts), echoes(state, body, prompts))
+                                 len(prompts), echoes(state, body, prompts),
+                                 state.backend.tokenizer)
     return result, outputs
 
 
@@ -130,7 +131,7 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
                 run.close()
                 raise
         return StreamingResponse(_sse(run, events, first, kind, rid, state.model_name, tier,
-                                      body, len(prompts), echo),
+                                      body, len(prompts), echo, state.backend.tokenizer),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "x-request-id": rid,
                                           "x-tierserve-served-tier": tier})
@@ -140,7 +141,7 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
 
 
 async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
-               body, num_prompts: int, echo: list[str] | None = None):
+               body, num_prompts: int, echo: list[str] | None = None, tokenizer=None):
     """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`);
     with `echo`, a choice's first chunk starts with its prompt."""
     include_usage = body.include_usage
@@ -159,8 +160,10 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
             text = out.delta_text
             if first and echo:
                 text = echo[index * num_prompts // len(run.request_ids)] + (text or "")
-            if text or first:
-                yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage)
+            lp = _new_logprobs(kind, out, tokenizer)
+            if text or first or lp:
+                yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage,
+                                lp)
             if out.finished:
                 finals[index] = out
                 yield fmt.chunk(kind, rid, model, tier, index, None,
@@ -174,6 +177,15 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
         yield fmt.sse(body)
     finally:
         run.close()  # a client that left aborts whatever is still running
+
+
+def _new_logprobs(kind: str, out, tokenizer) -> dict | None:
+    """The logprobs of the tokens this output added (with the chunk that carries them)."""
+    c = out.outputs[0]
+    if c.logprobs is None or not out.delta_token_ids:
+        return None
+    n = len(out.delta_token_ids)
+    return fmt.logprobs_object(kind, c.logprobs[-n:], c.token_ids[-n:], tokenizer)
 
 
 class ChoiceRun:

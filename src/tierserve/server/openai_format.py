@@ -64,18 +64,46 @@ def cost_headers(outputs: list[RequestOutput], tier: str) -> dict:
     return headers
 
 
+def logprobs_object(kind: str, entries: list | None, token_ids: list[int],
+                    tokenizer) -> dict | None:
+    """OpenAI's logprobs of some output tokens: chat's `content` list, or completions'
+    parallel lists (`text_offset` counted from the first of these tokens)."""
+    if entries is None:
+        return None
+
+    def text(t: int) -> str:
+        return tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)
+
+    pairs = list(zip(token_ids, entries))
+    if kind == "chat":
+        def item(t: int, lp: float) -> dict:
+            s = text(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"content": [{**item(t, lp), "top_logprobs": [item(a, x) for a, x in top]}
+                            for t, (lp, top) in pairs], "refusal": None}
+    tokens = [text(t) for t, _ in pairs]
+    offsets = [sum(len(s) for s in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lp for _, (lp, _) in pairs],
+            "top_logprobs": [{text(a): x for a, x in top} for _, (_, top) in pairs],
+            "text_offset": offsets}
+
+
 def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[RequestOutput],
-                    num_prompts: int, echo: list[str] | None = None) -> dict:
+                    num_prompts: int, echo: list[str] | None = None, tokenizer=None) -> dict:
     """`echo`: each prompt's text, put ahead of its choices' text (completions)."""
+    def logprobs(o: RequestOutput) -> dict | None:
+        c = o.outputs[0]
+        return logprobs_object(kind, c.logprobs, c.token_ids, tokenizer)
+
     if kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
-                    "logprobs": None, "finish_reason": o.outputs[0].finish_reason}
+                    "logprobs": logprobs(o), "finish_reason": o.outputs[0].finish_reason}
                    for i, o in enumerate(outputs)]
         obj = "chat.completion"
     else:
         per_prompt = len(outputs) // max(num_prompts, 1)
         choices = [{"index": i, "text": (echo[i // per_prompt] if echo else "")
-                    + o.outputs[0].text, "logprobs": None,
+                    + o.outputs[0].text, "logprobs": logprobs(o),
                     "finish_reason": o.outputs[0].finish_reason}
                    for i, o in enumerate(outputs)]
         obj = "text_completion"
@@ -85,16 +113,17 @@ def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[Re
 
 
 def chunk(kind: str, rid: str, model: str, tier: str, index: int, text: str | None,
-          finish_reason: str | None, first: bool = False, include_usage: bool = False) -> str:
+          finish_reason: str | None, first: bool = False, include_usage: bool = False,
+          logprobs: dict | None = None) -> str:
     if kind == "chat":
         delta = {} if text is None else {"content": text}
         if first:
             delta = {"role": "assistant", "content": text or ""}
-        choice = {"index": index, "delta": delta, "logprobs": None,
+        choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None,
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tierserve.errors import InvalidRequestError
-from tierserve.sampling_params import SamplingParams
+from tierserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def _nothing(v: Any) -> bool:
@@ -30,8 +30,6 @@ NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
     "response_format": (lambda v: v is None or v == {"type": "text"},
                         "structured output is not supported by this server yet"),
-    "logprobs": (_nothing, "logprobs are not supported by this server yet"),
-    "top_logprobs": (_nothing, "logprobs are not supported by this server yet"),
     "audio": (_nothing, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
     "prediction": (_nothing, "predicted outputs are not supported"),
@@ -114,7 +112,13 @@ class _Request(_Strict):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logit_bias=dict(self.logit_bias or {}))
+            logit_bias=dict(self.logit_bias or {}),
+            logprobs=self.num_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to return (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -157,12 +161,38 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:  # OpenAI's rule
+            raise InvalidRequestError("top_logprobs needs logprobs: true",
+                                      param="top_logprobs")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     """The prompt's text ahead of each choice's text."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _no_prompt_logprobs(self):
+        if self.echo and self.logprobs is not None:
+            raise InvalidRequestError("logprobs with echo (the prompt's logprobs) are not "
+                                      "supported", param="logprobs",
+                                      code="unsupported_parameter")
+        return self
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TokenizeRequest(_Strict):
@@ -176,7 +206,8 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            raise InvalidRequestError("give exactly one of prompt and messages",
+                                      param="prompt")
         return self
 
 

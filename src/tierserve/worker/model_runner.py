@@ -64,7 +64,10 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         tokens = sample(logits, [self.states[s.request_id] for s in sampled],
                         [s.num_output_tokens for s in sampled])
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)})
+        asked = [s.request_id for s in sampled
+                 if self.states[s.request_id].params.logprobs is not None]
+        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)},
+                            {rid: self.states[rid].last_logprob for rid in asked})
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         bs = self.block_size

@@ -38,6 +38,8 @@ class SamplingState:
     """Tokens of the prompt ([V] bool), for the repetition penalty."""
     bias: tuple[Tensor, Tensor] | None = None
     """logit_bias as (token ids, values)."""
+    last_logprob: tuple[float, list[tuple[int, float]]] | None = None
+    """With params.logprobs: the last sampled token's logprob and the top alternatives."""
 
     @classmethod
     def create(cls, params: SamplingParams, generator: torch.Generator, banned: list[int],
@@ -60,6 +62,8 @@ class SamplingState:
 
 def sample(logits: Tensor, states: list[SamplingState], num_outputs: list[int]) -> list[int]:
     """logits: [S, V] float32, one row per sampled request. Returns S token ids."""
+    want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    raw = logits[want].log_softmax(dim=-1) if want else None  # before anything changes them
     _adjust(logits, states)
     for i, (state, n) in enumerate(zip(states, num_outputs)):
         if n < state.params.min_tokens and state.banned_before_min:
@@ -72,6 +76,11 @@ def sample(logits: Tensor, states: list[SamplingState], num_outputs: list[int]) 
     out = tokens.tolist()
     for state, token in zip(states, out):
         state.produced(token)
+    for j, i in enumerate(want):
+        k = states[i].params.logprobs
+        top = raw[j].topk(k) if k else None
+        states[i].last_logprob = (float(raw[j, out[i]]), list(zip(
+            top.indices.tolist(), top.values.tolist())) if top is not None else [])
     return out
 
 
