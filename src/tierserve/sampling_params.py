@@ -1,8 +1,12 @@
 """SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names)."""
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tierserve.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tierserve.worker.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
 
@@ -39,6 +43,9 @@ class SamplingParams:
     """Divides positive (multiplies negative) logits of tokens in the prompt or output."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Added to the logits of these token ids (-100 bans, 100 forces)."""
+    grammar: "GrammarSpec | None" = None
+    """Structured output: a JSON schema, JSON, a regex, a choice or a grammar the output
+    must follow, enforced token by token (worker/grammar.py)."""
     logprobs: int | None = None
     """Return each output token's log-probability and the `logprobs` most likely
     alternatives' (0: the token's own only; None: nothing). They are the model's own
@@ -66,6 +73,8 @@ class SamplingParams:
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative integers"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.grammar is None or not self.ignore_eos, "ignore_eos",
+             "cannot be used with structured output (the grammar decides where it ends)"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
              f"must be in [0, {MAX_LOGPROBS}]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tierserve.errors import InvalidRequestError
 from tierserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from tierserve.worker.grammar import GrammarSpec
 
 
 def _nothing(v: Any) -> bool:
@@ -28,8 +29,6 @@ NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     "parallel_tool_calls": (lambda v: v in (None, True, False), ""),
     "functions": (_nothing, "function calling is not supported (and deprecated: tools)"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured output is not supported by this server yet"),
     "audio": (_nothing, "audio output is not supported"),
     "modalities": (lambda v: v in (None, ["text"]), "only text output is supported"),
     "prediction": (_nothing, "predicted outputs are not supported"),
@@ -82,6 +81,13 @@ class _Request(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -113,6 +119,9 @@ class _Request(_Strict):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
+            grammar=GrammarSpec.from_request(
+                self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
+                self.guided_grammar, self.structured_outputs),
             logprobs=self.num_logprobs)
 
     @property

@@ -13,6 +13,7 @@ from tierserve.model import cpu_attention
 from tierserve.model.cpu_linear import can_pack, pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
 from tierserve.sampling_params import SamplingParams
+from tierserve.worker.grammar import GrammarState
 from tierserve.worker.sampler import SamplingState, sample
 
 
@@ -36,7 +37,8 @@ class ModelRunner:
         self._seed_stream = torch.Generator().manual_seed(seed)
 
     def add_request(self, request_id: str, params: SamplingParams, eos_token_id: int | None,
-                    prompt_token_ids: list[int] = ()):
+                    prompt_token_ids: list[int] = (), grammar=None):
+        """`grammar`: the request's CompiledGrammar (worker/grammar.py), if it has one."""
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_stream))
@@ -47,8 +49,10 @@ class ModelRunner:
         if any(t >= vocab for t in params.logit_bias):
             raise InvalidRequestError(f"logit_bias names a token id beyond the vocabulary "
                                       f"({vocab} tokens)", param="logit_bias")
-        self.states[request_id] = SamplingState.create(
+        self.states[request_id] = state = SamplingState.create(
             params, torch.Generator().manual_seed(seed), banned, vocab, list(prompt_token_ids))
+        if grammar is not None:
+            state.grammar = GrammarState(grammar)
 
     def remove_request(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -12,7 +12,8 @@ NOTE: what changes the logits, in order (vLLM's order and definitions)
     2. penalties on the tokens the request has produced (and, for the repetition penalty,
        its prompt): frequency (minus the count times the penalty), presence (minus the
        penalty once), repetition (positive logits divided by it, negative ones multiplied);
-    3. tokens banned before min_tokens; then greedy takes the argmax, and sampling applies
+    3. the grammar's mask, for structured output (worker/grammar.py);
+    4. tokens banned before min_tokens; then greedy takes the argmax, and sampling applies
        temperature, top-k, softmax, top-p and min-p (tokens below min_p times the most
        likely one's probability are dropped).
     Only the rows of requests that asked for something are touched.
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from tierserve.sampling_params import SamplingParams
+from tierserve.worker.grammar import GrammarState, GrammarViolationError, apply_grammar_masks
 
 
 @dataclass
@@ -38,6 +40,8 @@ class SamplingState:
     """Tokens of the prompt ([V] bool), for the repetition penalty."""
     bias: tuple[Tensor, Tensor] | None = None
     """logit_bias as (token ids, values)."""
+    grammar: GrammarState | None = None
+    """Structured output: what the grammar allows next (worker/grammar.py)."""
     last_logprob: tuple[float, list[tuple[int, float]]] | None = None
     """With params.logprobs: the last sampled token's logprob and the top alternatives."""
 
@@ -65,8 +69,11 @@ def sample(logits: Tensor, states: list[SamplingState], num_outputs: list[int]) 
     want = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     raw = logits[want].log_softmax(dim=-1) if want else None  # before anything changes them
     _adjust(logits, states)
+    constrained = [i for i, s in enumerate(states) if s.grammar is not None]
+    apply_grammar_masks(logits, constrained, [states[i].grammar for i in constrained])
     for i, (state, n) in enumerate(zip(states, num_outputs)):
-        if n < state.params.min_tokens and state.banned_before_min:
+        # a grammar decides where its output ends: banning EOS could leave nothing allowed
+        if n < state.params.min_tokens and state.banned_before_min and state.grammar is None:
             logits[i, state.banned_before_min] = float("-inf")
     tokens = logits.max(dim=-1).indices                              # 2.5x faster than argmax
     rows = [i for i, s in enumerate(states) if not s.params.greedy]
@@ -76,6 +83,11 @@ def sample(logits: Tensor, states: list[SamplingState], num_outputs: list[int]) 
     out = tokens.tolist()
     for state, token in zip(states, out):
         state.produced(token)
+        if state.grammar is not None and not state.grammar.is_done():
+            try:
+                state.grammar.accept(token)
+            except GrammarViolationError:  # cannot happen under the mask; if it did, the
+                pass                       # state is in error and allows only EOS: it ends
     for j, i in enumerate(want):
         k = states[i].params.logprobs
         top = raw[j].topk(k) if k else None
