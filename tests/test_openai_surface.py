@@ -27,9 +27,8 @@ def server(tmp_path_factory):
 REFUSED = [
     # (endpoint, extra fields, param, code)
     ("chat", {"frobnicate": 1}, "frobnicate", "unknown_parameter"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "unsupported_parameter"),
-    ("chat", {"tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
+    ("chat", {"audio": {"voice": "alloy"}}, "audio", "unsupported_parameter"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", None),
     ("chat", {"logprobs": True, "top_logprobs": 50}, "top_logprobs", None),
     ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "unsupported_parameter"),
@@ -214,3 +213,68 @@ def test_a_bad_schema_is_a_400(server):
         r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
                        json={"model": MODEL, "messages": HI, "max_tokens": 4, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "maxLength": 10}}, "required": ["zone"]}}}
+
+
+def test_named_and_required_tool_choices_always_give_parseable_calls(server):
+    from test_grammar import conforms
+    c = server.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    for seed in range(3):
+        r = c.chat.completions.create(
+            model=MODEL, messages=ask, tools=[WEATHER, TIME], temperature=1.0, seed=seed,
+            max_tokens=120, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        call = ch.message.tool_calls[0]
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert conforms(json.loads(call.function.arguments),
+                        WEATHER["function"]["parameters"])
+    r = c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER, TIME],
+                                  tool_choice="required", parallel_tool_calls=False,
+                                  temperature=0, max_tokens=120)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1 and calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    # streamed as OpenAI streams calls: index, id, name and arguments in the deltas
+    deltas = [ch.choices[0] for ch in c.chat.completions.create(
+        model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required", temperature=0,
+        max_tokens=120, stream=True) if ch.choices]
+    streamed = [t for d in deltas if d.delta.tool_calls for t in d.delta.tool_calls]
+    assert streamed and streamed[0].function.name == "get_weather"
+    assert deltas[-1].finish_reason == "tool_calls"
+    # the round trip: the call and its result in the history, then an answer
+    history = ask + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": calls[0].id, "type": "function", "function": {
+            "name": calls[0].function.name, "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp": 18}'}]
+    answer = c.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME],
+                                       tool_choice="none", max_tokens=20, temperature=0)
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason != \
+        "tool_calls"
+
+
+def test_tool_fields_are_checked(server):
+    for extra, param in [({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                               "function": {"name": "nope"}}},
+                          "tool_choice"),
+                         ({"tools": [{"type": "retrieval"}]}, "tools"),
+                         ({"tools": [WEATHER], "tool_choice": "required",
+                           "response_format": {"type": "json_object"}}, "tool_choice")]:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": HI, "max_tokens": 4, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+    r = httpx.post(server.url + "/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "hi", "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"

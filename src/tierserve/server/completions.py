@@ -13,6 +13,7 @@ from tierserve.router.backend import Backend, Chat, Prompt
 from tierserve.server import openai_format as fmt
 from tierserve.server.http_errors import error_body, validation_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tierserve.server import tools
 from tierserve.server.settings import Tenant
 
 KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
@@ -24,8 +25,7 @@ def prompts(state, body: ChatCompletionRequest | CompletionRequest) -> list[Prom
     """The prompts of one request, as the backend takes them."""
     backend = state.ready()
     if isinstance(body, ChatCompletionRequest):
-        return [backend.prepare(Chat([{"role": m.template_role, "content": m.text()}
-                                      for m in body.messages]))]
+        return [backend.prepare(Chat(tools.render(body)))]
     p = body.prompt
     found = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not found or any(len(x) == 0 for x in found):
@@ -94,9 +94,11 @@ async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
     finally:
         run.close()
     outputs = [finals[i] for i in range(len(run.request_ids))]
+    calls = [tools.parse_calls(o.outputs[0].text, body) for o in outputs] \
+        if kind == "chat" else None
     result = fmt.completion_body(kind, run.request_ids[0], state.model_name, tier, outputs,
                                  len(prompts), echoes(state, body, prompts),
-                                 state.backend.tokenizer)
+                                 state.backend.tokenizer, calls)
     return result, outputs
 
 
@@ -146,6 +148,8 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
     with `echo`, a choice's first chunk starts with its prompt."""
     include_usage = body.include_usage
     started, finals = set(), {}
+    held = {} if kind == "chat" and tools.active(body) else None
+    """With tools: each choice's text, held back until it is known whether it is calls."""
 
     async def all_events():
         if first is not None:
@@ -161,13 +165,23 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
             if first and echo:
                 text = echo[index * num_prompts // len(run.request_ids)] + (text or "")
             lp = _new_logprobs(kind, out, tokenizer)
-            if text or first or lp:
+            if held is not None:
+                held[index] = held.get(index, "") + (text or "")
+                text = None
+                if out.finished:
+                    calls = tools.parse_calls(held[index], body)
+                    yield fmt.chunk(kind, rid, model, tier, index, None if calls else held[index],
+                                    None, True, include_usage, tool_calls=calls)
+            elif text or first or lp:
                 yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage,
                                 lp)
             if out.finished:
                 finals[index] = out
-                yield fmt.chunk(kind, rid, model, tier, index, None,
-                                out.outputs[0].finish_reason, include_usage=include_usage)
+                reason = out.outputs[0].finish_reason
+                if held is not None and tools.parse_calls(held[index], body):
+                    reason = "tool_calls"
+                yield fmt.chunk(kind, rid, model, tier, index, None, reason,
+                                include_usage=include_usage)
         if include_usage:
             outputs = [finals[i] for i in range(len(run.request_ids))]
             yield fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)

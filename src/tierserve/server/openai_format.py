@@ -89,8 +89,10 @@ def logprobs_object(kind: str, entries: list | None, token_ids: list[int],
 
 
 def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[RequestOutput],
-                    num_prompts: int, echo: list[str] | None = None, tokenizer=None) -> dict:
-    """`echo`: each prompt's text, put ahead of its choices' text (completions)."""
+                    num_prompts: int, echo: list[str] | None = None, tokenizer=None,
+                    calls: list | None = None) -> dict:
+    """`echo`: each prompt's text, put ahead of its choices' text (completions); `calls`:
+    each chat choice's tool calls, where its answer was calls (server/tools.py)."""
     def logprobs(o: RequestOutput) -> dict | None:
         c = o.outputs[0]
         return logprobs_object(kind, c.logprobs, c.token_ids, tokenizer)
@@ -99,6 +101,10 @@ def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[Re
         choices = [{"index": i, "message": {"role": "assistant", "content": o.outputs[0].text},
                     "logprobs": logprobs(o), "finish_reason": o.outputs[0].finish_reason}
                    for i, o in enumerate(outputs)]
+        for choice, found in zip(choices, calls or []):
+            if found:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": found}
+                choice["finish_reason"] = "tool_calls"
         obj = "chat.completion"
     else:
         per_prompt = len(outputs) // max(num_prompts, 1)
@@ -114,11 +120,15 @@ def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[Re
 
 def chunk(kind: str, rid: str, model: str, tier: str, index: int, text: str | None,
           finish_reason: str | None, first: bool = False, include_usage: bool = False,
-          logprobs: dict | None = None) -> str:
+          logprobs: dict | None = None, tool_calls: list | None = None) -> str:
+    """`tool_calls`: a chat chunk carrying whole calls (index, id, type, function)."""
     if kind == "chat":
         delta = {} if text is None else {"content": text}
         if first:
             delta = {"role": "assistant", "content": text or ""}
+        if tool_calls:
+            delta = {"role": "assistant", "content": None, "tool_calls": [
+                {"index": k, **call} for k, call in enumerate(tool_calls)]}
         choice = {"index": index, "delta": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         obj = "chat.completion.chunk"

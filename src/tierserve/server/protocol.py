@@ -4,7 +4,7 @@ NOTE: no field is ignored
     A client that asked for JSON and silently got prose is worse off than one told no. So:
     a field this server does not know is a 400 naming it (OpenAI's answer to an unknown
     argument); a field of the OpenAI API that is not implemented here is accepted only
-    with the value that asks for nothing (`tools: []`, `logprobs: false`, `store: false`)
+    with the value that asks for nothing (`audio: null`, `store: false`, `best_of: 1`)
     and is otherwise a 400 saying it is not supported. Field objects are shared by chat
     and completions so the two never drift apart.
 """
@@ -24,9 +24,6 @@ def _nothing(v: Any) -> bool:
 
 NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
     # field: (test of the value that asks for nothing, what to say)
-    "tools": (_nothing, "tool calling is not supported by this server yet"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported yet"),
-    "parallel_tool_calls": (lambda v: v in (None, True, False), ""),
     "functions": (_nothing, "function calling is not supported (and deprecated: tools)"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
     "audio": (_nothing, "audio output is not supported"),
@@ -119,15 +116,18 @@ class _Request(_Strict):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),
-            grammar=GrammarSpec.from_request(
-                self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
-                self.guided_grammar, self.structured_outputs),
+            grammar=self.grammar_spec(),
             logprobs=self.num_logprobs)
 
     @property
     def num_logprobs(self) -> int | None:
         """Alternatives per token to return (None: no logprobs)."""
         return None
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        return GrammarSpec.from_request(
+            self.response_format, self.guided_json, self.guided_regex, self.guided_choice,
+            self.guided_grammar, self.structured_outputs)
 
     @property
     def include_usage(self) -> bool:
@@ -145,10 +145,37 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+    """Arguments are always checked against `parameters` when the grammar forces a call."""
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -172,6 +199,29 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        if isinstance(self.tool_choice, dict) and not (
+                self.tool_choice.get("type") == "function"
+                and isinstance(self.tool_choice.get("function"), dict)):
+            raise InvalidRequestError('tool_choice must be "none", "auto", "required" or '
+                                      '{"type": "function", "function": {"name": ...}}',
+                                      param="tool_choice")
+        return self
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        from tierserve.server import tools
+        forced, asked = tools.grammar(self), super().grammar_spec()
+        if forced is not None and asked is not None:
+            raise InvalidRequestError("a required or named tool_choice cannot be combined "
+                                      "with response_format", param="tool_choice")
+        return forced or asked
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
