@@ -221,3 +221,36 @@ def test_two_gateways_share_a_postgres_ledger_and_budget(replicas, pg_database, 
         rows = db.execute("SELECT count(*), sum(charge) FROM requests WHERE tenant = 'a'"
                           ).fetchone()
     assert rows[0] == len(charges) and rows[1] == pytest.approx(sum(charges))
+
+
+def test_replica_connections_are_kept_alive_and_a_closed_one_is_replaced(replicas):
+    """remote.session: a stream read to its end gives its connection back; one the
+    replica would close while idle (uvicorn: after 5 s) is not used again."""
+    import asyncio
+
+    from tierserve.core.request import Tier
+    from tierserve.router import remote
+    from tierserve.router.remote import ReplicaSpec
+
+    spec = ReplicaSpec(replicas[0].url, [MODEL], "tierserve", name="a")
+    body = remote.upstream_body(spec, "/v1/completions", {"prompt": "Hello", "max_tokens": 2},
+                                MODEL, Tier.DEFAULT, 0)
+
+    async def run():
+        session = remote.session(5.0, 60.0)
+        try:
+            opened = []
+            for wait in (0.0, 0.0, 5.5):
+                await asyncio.sleep(wait)
+                chunks = [c async for c in remote.stream(session, spec, "/v1/completions",
+                                                         body)]
+                assert any(c.get("usage") for c in chunks)
+                opened.append(session.connector._conns and sum(  # aiohttp's idle pool
+                    len(v) for v in session.connector._conns.values()))
+            return opened
+        finally:
+            await session.close()
+
+    first, second, third = asyncio.run(run())
+    assert first == second == 1  # one connection, kept alive and reused
+    assert third == 1  # after the idle gap: dropped before the replica closed it, a new one

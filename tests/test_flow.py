@@ -73,6 +73,28 @@ def test_prefix_affinity_prefers_the_replica_that_holds_the_prefix():
     assert r is not home  # nothing shared: the least loaded
 
 
+def test_round_robin_alternates_replicas_whatever_the_load_or_prefix():
+    g = gateway(n=2, seqs=64, routing="round-robin")
+    shared = list(range(4 * PREFIX_BLOCK))
+    picked = []
+    for i in range(6):  # same prefix each time, none finishes: affinity or load would
+        g.submit(req(i, prompt=len(shared), keys=prefix_keys(shared)))  # not alternate
+        (_, r), = g.release(0.0)[0]
+        picked.append(r.name)
+    assert picked == ["r0", "r1"] * 3
+    g.replicas[1].healthy = False  # a replica that may not take it is skipped
+    g.submit(req(7))
+    g.submit(req(8))
+    assert [r.name for _, r in g.release(0.0)[0]] == ["r0", "r0"]
+
+
+def test_unknown_routing_is_a_config_error():
+    from tierserve.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        FlowConfig(routing="random")
+
+
 def test_limit_backs_off_on_priority_misses_and_recovers():
     g = gateway(n=1, seqs=20, reserved_priority_seqs=4, priority_ttft_s=0.1, cooldown_s=0.0,
                 idle_s=30.0)

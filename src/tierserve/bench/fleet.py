@@ -6,7 +6,7 @@ each scenario measured side by side with the replicas alone in one run.
                 TTFT/ITL p99, through the gateway vs vLLM alone (its own priority field)
     throttle    only lower-tier traffic at concurrency 64: throughput vs the replica alone
     affinity    two tierserve replicas, prompts sharing long per-tenant prefixes: prefix
-                affinity vs load-only routing (and a no-sharing control)
+                affinity vs round-robin (and load-only) routing, and a no-sharing control
     replicas    two tierserve replicas (one core each) behind the gateway vs one two-core
                 tierserve, a mixed-tier load
     ceiling     requests/s one gateway routes to a minimal upstream (a stub that answers
@@ -45,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"which to run (default all): {', '.join(SCENARIOS)}")
     p.add_argument("--requests", type=int, default=64, help="requests per run (default 64)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--tenants", type=int, default=8,
+                   help="affinity: tenants whose 512-token prefixes the prompts share (default 8)")
     p.add_argument("--verbose", action="store_true", help="per-request detail where a scenario has it")
 
 
@@ -246,27 +248,41 @@ def shared_prompts(n, tenants, prefix, tail, seed, shared=True):
     return out
 
 
+ROUTINGS = ("affinity", "round-robin", "load")
+
+
 def affinity(args) -> None:
     reps = [tierserve("--max-num-seqs", "16", threads=1) for _ in range(2)]
     try:
         backends = [{"url": r.url, "kind": "tierserve", "models": [MODEL], "max_num_seqs": 16,
                      "name": f"t{i}"} for i, r in enumerate(reps)]
         for shared in (True, False):
-            for k, routing in enumerate(("affinity", "load-only")):
-                gw = gateway(backends, {"affinity": routing == "affinity"})
-                try:  # fresh prompts each run: nothing cached by the run before
-                    work = shared_prompts(args.requests, 8, 512, 32,
-                                          args.seed + 20 + 2 * shared + k, shared)
-                    run = asyncio.run(closed_loop(gw.url, work, 16, 8))
-                    what = "8-tenant shared 512-token prefixes" if shared else "nothing shared"
-                    print(f"fleet affinity prompts={what} "
-                          f"routing={routing} replicas=2x1core concurrency=8 "
-                          f"requests={args.requests} 544/16 | {run['tok_s']:.1f} tok/s, ttft "
-                          f"p50 {1e3 * pct(run['ttft'], 50):.0f} ms p90 "
-                          f"{1e3 * pct(run['ttft'], 90):.0f} ms, errors {run['errors']}",
-                          flush=True)
-                finally:
-                    gw.stop()
+            what = f"{args.tenants}-tenant shared 512-token prefixes" if shared else \
+                "nothing shared"
+            runs = {name: [] for name in ROUTINGS}
+            for rnd, order in enumerate((ROUTINGS, ROUTINGS[::-1])):  # drift cancels
+                for routing in order:
+                    gw = gateway(backends, {"routing": routing})
+                    try:  # fresh prompts each run: nothing cached by the run before
+                        seed = args.seed + 100 * shared + 10 * rnd + ROUTINGS.index(routing)
+                        work = shared_prompts(args.requests, args.tenants, 512, 32, seed,
+                                              shared)
+                        run = asyncio.run(closed_loop(gw.url, work, 16, 8))
+                        runs[routing].append(run)
+                        print(f"fleet affinity prompts={what} round={rnd} "
+                              f"routing={routing} replicas=2x1core concurrency=8 "
+                              f"requests={args.requests} 544/16 | {run['tok_s']:.1f} tok/s, "
+                              f"ttft p50 {1e3 * pct(run['ttft'], 50):.0f} ms p90 "
+                              f"{1e3 * pct(run['ttft'], 90):.0f} ms, errors {run['errors']}",
+                              flush=True)
+                    finally:
+                        gw.stop()
+            tok = {k: sum(r["tok_s"] for r in v) / len(v) for k, v in runs.items()}
+            p90 = {k: pct([t for r in v for t in r["ttft"]], 90) for k, v in runs.items()}
+            print(f"fleet affinity prompts={what} | both rounds, vs round-robin: " + "; ".join(
+                f"{k} throughput {tok[k] / tok['round-robin']:.3f}, ttft p90 "
+                f"{p90[k] / p90['round-robin']:.3f}" for k in ROUTINGS if k != "round-robin"),
+                flush=True)
     finally:
         for r in reps:
             r.stop()
@@ -318,30 +334,52 @@ def replicas(args) -> None:
 
 
 def ceiling(args) -> None:
+    """Each client in turn against the stub alone and the gateway: httpx (as an OpenAI SDK
+    client would be) and aiohttp's lighter one, which leaves more of the two cores
+    to the gateway. The gateway's CPU per request (/proc) holds whatever the client."""
     stub = Proc([sys.executable, "-m", "tierserve.bench.stub_upstream", "{port}"])
     gw = gateway([{"url": stub.url, "kind": "openai", "models": [MODEL], "max_num_seqs": 4096}],
                  {"reserved_priority_seqs": 0})
     try:
-        for name, url in (("stub alone", stub.url), ("gateway", gw.url)):
-            n = asyncio.run(_hammer(url, 10.0, 64))
-            print(f"fleet ceiling {name} (minimal upstream, benchmark only) concurrency=64 "
-                  f"10 s | {n / 10.0:.0f} req/s", flush=True)
+        for client in ("httpx", "aiohttp"):
+            for name, proc in (("stub alone", stub), ("gateway", gw)):
+                cpu = _cpu_s(gw.proc.pid)
+                n = asyncio.run(_hammer(proc.url, 10.0, 64, client))
+                extra = f", gateway cpu {1e3 * (_cpu_s(gw.proc.pid) - cpu) / max(n, 1):.2f} " \
+                    "ms/request" if proc is gw else ""
+                print(f"fleet ceiling {name} (minimal upstream, benchmark only) client={client} "
+                      f"concurrency=64 10 s | {n / 10.0:.0f} req/s{extra}", flush=True)
     finally:
         gw.stop()
         stub.stop()
 
 
-async def _hammer(url, seconds, concurrency) -> int:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _hammer(url, seconds, concurrency, client="httpx") -> int:
+    from tierserve.router import remote
+
     done = 0
     deadline = time.perf_counter() + seconds
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    session = remote.session(30.0, 30.0)
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as c:
         async def worker():
             nonlocal done
             while time.perf_counter() < deadline:
-                r = await c.post(url + "/v1/completions", json={
-                    "model": MODEL, "prompt": "hi", "max_tokens": 1})
-                done += r.status_code == 200
+                if client == "httpx":
+                    ok = (await c.post(url + "/v1/completions", json=body)).status_code == 200
+                else:
+                    async with session.post(url + "/v1/completions", json=body) as r:
+                        await r.read()
+                        ok = r.status == 200
+                done += ok  # not `done += await ...`: it reads done first
         await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await session.close()
     return done
 
 

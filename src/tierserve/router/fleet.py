@@ -94,8 +94,10 @@ class FleetBackend:
         self.max_num_seqs = sum(s.max_num_seqs for s in specs)
         self.meters: dict[str, ReplicaMeter] = {}
         self.recorder = self.sink = None
-        self._timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
+        self._timeouts = (connect_timeout_s, read_timeout_s)
         self._client: httpx.AsyncClient | None = None
+        """Health checks and /metrics; requests go through `_session` (remote.session)."""
+        self._session = None
         self._requests: dict[str, _Request] = {}
         self.cost_checks: deque[tuple[RequestCost, RequestCost]] = deque(maxlen=10_000)
         """(estimated, exact) machine cost of recent requests whose replica reported its
@@ -122,6 +124,9 @@ class FleetBackend:
         self._start()
         if not any(r.takes(tier) for r in self.gateway.replicas):
             raise ReplicaUnavailableError("no healthy replica can take this request now")
+        if params.logprobs is not None:  # refused, not dropped: the relay carries text only
+            raise InvalidRequestError("logprobs are not relayed in fleet mode yet",
+                                      param="logprobs", code="unsupported_parameter")
         rid = request_id or f"fleet-{next(self._ids)}"
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
@@ -183,7 +188,8 @@ class FleetBackend:
         self._tasks = []
         if self._client is not None:
             await self._client.aclose()
-            self._client = None
+            await self._session.close()
+            self._client = self._session = None
 
     # ------------------------------------------------------------ prompts
     def _tokens(self, prompt: Prompt) -> list[int] | None:
@@ -204,9 +210,9 @@ class FleetBackend:
     # ---------------------------------------------------------- dispatching
     def _start(self) -> None:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._timeout,
-                                             limits=httpx.Limits(max_connections=None,
-                                                                 max_keepalive_connections=256))
+            connect_s, read_s = self._timeouts
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(read_s, connect=connect_s))
+            self._session = remote.session(connect_s, read_s)
             self._tasks = [asyncio.create_task(self._dispatch()),
                            *(asyncio.create_task(self._watch(r))
                              for r in self.gateway.replicas)]
@@ -244,7 +250,7 @@ class FleetBackend:
         path, body = self._upstream(req, spec)
         reason, retry, error = None, False, None
         try:
-            async for chunk in remote.stream(self._client, spec, path, body):
+            async for chunk in remote.stream(self._session, spec, path, body):
                 reason = self._on_chunk(req, chunk, meter) or reason
             if reason is None:  # vLLM stopped by SIGTERM can end a cut stream with [DONE]
                 raise remote.ReplicaDown(f"{spec.name} ended the stream without a "
@@ -298,6 +304,8 @@ class FleetBackend:
                 body[name] = getattr(p, name)
         if p.logit_bias:
             body["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
+        if p.grammar is not None:
+            body["structured_outputs"] = p.grammar.to_vllm()
         if isinstance(req.prompt, Chat):
             path, body["messages"] = "/v1/chat/completions", req.prompt.messages
         else:

@@ -33,7 +33,9 @@ NOTE: the score (lower is better), a predicted time to first token in tokens of 
     + `decode_weight` x requests decoding there (each slows every step a little)
     + a penalty that grows with the replica's scraped KV-cache use and waiting queue
     Ties go round-robin. Affinity is weighed against load by the same unit: a shared
-    prefix of P tokens is worth P tokens of queue.
+    prefix of P tokens is worth P tokens of queue. `routing: load` drops the affinity
+    term; `routing: round-robin` drops the score altogether (each request to the next
+    replica in turn that may take it), the baseline the other two are measured against.
 """
 
 import itertools
@@ -41,9 +43,11 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from tierserve.core.request import Tier
+from tierserve.errors import ConfigError
 
 PREFIX_BLOCK = 64
 """Tokens (or characters, for text prompts) per prefix-affinity block."""
+ROUTINGS = ("affinity", "load", "round-robin")
 
 
 @dataclass
@@ -66,10 +70,17 @@ class FlowConfig:
     """A flex request not released after this long is refused."""
     decode_weight: float = 16.0
     """Score tokens per request decoding on a replica."""
-    affinity: bool = True
-    """Prefer the replica that was sent the request's prefix."""
+    routing: str = "affinity"
+    """How a replica is chosen among those that may take the request: `affinity` (the
+    score in the NOTE: load plus the prefix it was sent), `load` (the score without the
+    prefix term) or `round-robin` (the next replica in turn, load and prefix ignored)."""
     prefix_memory: int = 4096
     """Prefix blocks remembered per replica (LRU)."""
+
+    def __post_init__(self):
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"fleet: routing must be one of {', '.join(ROUTINGS)}, got "
+                              f"{self.routing!r}")
 
 
 @dataclass(eq=False)
@@ -144,6 +155,7 @@ class Gateway:
             r.limit = self.cap(r)
         self.queues: dict[Tier, deque[Pending]] = {t: deque() for t in Tier}
         self._turn = itertools.count()
+        self._next = 0  # round-robin routing: the replica to try first
 
     # ------------------------------------------------------------ queueing
     def cap(self, replica: ReplicaState) -> int:
@@ -192,19 +204,33 @@ class Gateway:
     # -------------------------------------------------------------- routing
     def pick(self, request: Pending, lower: bool = True) -> ReplicaState | None:
         """The best replica for `request` (None: none may take it now)."""
+        if self.config.routing == "round-robin":
+            return self._next_in_turn(request, lower)
         best, best_score = None, None
         turn = next(self._turn)
         n = len(self.replicas)
         for i in range(n):
             r = self.replicas[(turn + i) % n]  # round-robin among equal scores
-            if not r.takes(request.tier) or r.name in request.excluded:
-                continue
-            if lower and r.lower_in_flight >= r.limit:
+            if not self._may_take(r, request, lower):
                 continue
             score = self.score(r, request)
             if best_score is None or score < best_score:
                 best, best_score = r, score
         return best
+
+    def _next_in_turn(self, request: Pending, lower: bool) -> ReplicaState | None:
+        n = len(self.replicas)
+        for i in range(n):
+            k = (self._next + i) % n
+            if self._may_take(self.replicas[k], request, lower):
+                self._next = k + 1  # the turn moves only when a request goes
+                return self.replicas[k]
+        return None
+
+    @staticmethod
+    def _may_take(r: ReplicaState, request: Pending, lower: bool) -> bool:
+        return r.takes(request.tier) and r.name not in request.excluded and \
+            not (lower and r.lower_in_flight >= r.limit)
 
     def score(self, r: ReplicaState, request: Pending) -> float:
         cached = self.cached_tokens(r, request)
@@ -217,7 +243,7 @@ class Gateway:
         return score
 
     def cached_tokens(self, r: ReplicaState, request: Pending) -> int:
-        if not self.config.affinity:
+        if self.config.routing != "affinity":
             return 0
         matched = 0
         for key in request.prefix_keys:
