@@ -278,3 +278,25 @@ def test_tool_fields_are_checked(server):
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "hi", "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+
+
+def test_litellm_sdk_as_a_client_structured_output_and_a_tool_round_trip(server):
+    """LiteLLM's SDK (the `openai/` provider pointed at us): a schema-constrained answer,
+    a tool call and its result sent back; usage.cost is the number LiteLLM reads."""
+    litellm = pytest.importorskip("litellm")
+    from test_grammar import NESTED_SCHEMA, conforms
+    kw = dict(model=f"openai/{MODEL}", api_base=server.url + "/v1", api_key="none",
+              temperature=0, max_tokens=200)
+    ask = [{"role": "user", "content": "Describe a pet as JSON."}]
+    r = litellm.completion(messages=ask, response_format={
+        "type": "json_schema", "json_schema": {"name": "pet", "schema": NESTED_SCHEMA}}, **kw)
+    assert conforms(json.loads(r.choices[0].message.content), NESTED_SCHEMA)
+    assert isinstance(r.usage.cost, float) and r.usage.cost > 0
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    t = litellm.completion(messages=weather, tools=[WEATHER], tool_choice="required", **kw)
+    call = t.choices[0].message.tool_calls[0]
+    assert t.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    history = weather + [t.choices[0].message.model_dump(exclude_none=True), {
+        "role": "tool", "tool_call_id": call.id, "content": '{"temp": 18}'}]
+    answer = litellm.completion(messages=history, tools=[WEATHER], tool_choice="none", **kw)
+    assert answer.choices[0].message.content
