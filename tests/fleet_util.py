@@ -104,3 +104,23 @@ class Gateway:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+def check_schema_and_tool_call(client) -> None:
+    """Through a gateway: a nested JSON schema's answer validates, and a required tool
+    call names the tool and its arguments validate."""
+    import json
+
+    from test_grammar import NESTED_SCHEMA, conforms
+    from test_openai_surface import WEATHER
+    ask = [{"role": "user", "content": "Describe a pet as JSON."}]
+    r = client.chat.completions.create(model=MODEL, messages=ask, temperature=0,
+                                       max_tokens=200, response_format={
+                                           "type": "json_schema", "json_schema": {
+                                               "name": "pet", "schema": NESTED_SCHEMA}})
+    assert conforms(json.loads(r.choices[0].message.content), NESTED_SCHEMA)
+    t = client.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
+                                       tool_choice="required", max_tokens=120, temperature=0)
+    call = t.choices[0].message.tool_calls[0]
+    assert t.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert conforms(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -256,31 +256,22 @@ def test_replica_connections_are_kept_alive_and_a_closed_one_is_replaced(replica
     assert third == 1  # after the idle gap: dropped before the replica closed it, a new one
 
 
+HI_PET = [{"role": "user", "content": "Describe a pet as JSON."}]
+
+
 def test_structured_output_tools_and_sampling_fields_reach_the_replicas(replicas):
     """The gateway sends the schema on (as vLLM's structured_outputs), renders tools and
     parses the calls itself, and refuses what it cannot relay rather than drop it."""
-    from test_grammar import NESTED_SCHEMA, conforms
-    from test_openai_surface import WEATHER
+    from fleet_util import check_schema_and_tool_call
     gw = Gateway([r.spec() for r in replicas])
     try:
         c = gw.client()
-        ask = [{"role": "user", "content": "Describe a pet as JSON."}]
-        r = c.chat.completions.create(model=MODEL, messages=ask, temperature=1.0, seed=3,
-                                      max_tokens=200, response_format={
-                                          "type": "json_schema", "json_schema": {
-                                              "name": "pet", "schema": NESTED_SCHEMA}})
-        assert conforms(json.loads(r.choices[0].message.content), NESTED_SCHEMA)
-        t = c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
-                                      tool_choice="required", max_tokens=120, temperature=0)
-        call = t.choices[0].message.tool_calls[0]
-        assert t.choices[0].finish_reason == "tool_calls" and call.function.name == \
-            "get_weather" and conforms(json.loads(call.function.arguments),
-                                       WEATHER["function"]["parameters"])
+        check_schema_and_tool_call(c)
         banned = c.completions.create(model=MODEL, prompt="The sea is", max_tokens=3,
                                       temperature=0, frequency_penalty=1.5)
         assert banned.choices[0].text
         lp = httpx.post(gw.url + "/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "messages": ask, "max_tokens": 2, "logprobs": True})
+            "model": MODEL, "messages": HI_PET, "max_tokens": 2, "logprobs": True})
         assert lp.status_code == 400 and lp.json()["error"]["param"] == "logprobs"
     finally:
         gw.stop()

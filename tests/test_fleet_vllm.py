@@ -87,23 +87,9 @@ def test_priority_overtakes_a_default_flood_at_the_gateway(vllm):
 def test_structured_output_and_tools_through_vllm(vllm):
     """vLLM enforces the schema the gateway sends (structured_outputs); the gateway
     renders the tools and parses the call."""
-    import json
-
-    from test_grammar import NESTED_SCHEMA, conforms
-    from test_openai_surface import WEATHER
+    from fleet_util import check_schema_and_tool_call
     gw = Gateway([spec(vllm)])
     try:
-        c = gw.client()
-        ask = [{"role": "user", "content": "Describe a pet as JSON."}]
-        r = c.chat.completions.create(model=MODEL, messages=ask, temperature=0,
-                                      max_tokens=200, response_format={
-                                          "type": "json_schema", "json_schema": {
-                                              "name": "pet", "schema": NESTED_SCHEMA}})
-        assert conforms(json.loads(r.choices[0].message.content), NESTED_SCHEMA)
-        t = c.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER],
-                                      tool_choice="required", max_tokens=120, temperature=0)
-        call = t.choices[0].message.tool_calls[0]
-        assert call.function.name == "get_weather"
-        assert conforms(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        check_schema_and_tool_call(gw.client())
     finally:
         gw.stop()
