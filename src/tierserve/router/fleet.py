@@ -32,8 +32,8 @@ from tierserve.core.request import Tier
 from tierserve.core.stats import RequestCost, RequestStats
 from tierserve.core.step_time import StepTimeModel
 from tierserve.engine.outputs import CompletionOutput, RequestOutput, read_outputs
-from tierserve.errors import (InvalidRequestError, ReplicaUnavailableError, TierserveError,
-                              UpstreamError)
+from tierserve.errors import (ConfigError, InvalidRequestError, ReplicaUnavailableError,
+                              TierserveError, UpstreamError)
 from tierserve.metering.estimate import ReplicaMeter
 from tierserve.router import remote
 from tierserve.router.backend import Chat, Load, Prompt
@@ -81,6 +81,12 @@ class FleetBackend:
                  connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
         """`work_model`: the step-time model of one replica (splits its cost);
         `tokenizer`: counts prompt tokens for routing and metering (else estimated)."""
+        for s in specs:  # one gateway serves one model: never send it to another one
+            if len(s.models) > 1 and model_name not in s.models:
+                raise ConfigError(f"replica {s.name} serves {', '.join(s.models)}, not this "
+                                  f"gateway's model {model_name!r}; one gateway serves one "
+                                  "model (list the replica's name for it first, or run a "
+                                  "gateway per model)")
         self.specs = {s.name: s for s in specs}
         self.model_name = model_name
         self.work_model = work_model

@@ -81,7 +81,9 @@ def upstream_body(spec: ReplicaSpec, path: str, body: dict, model: str, tier: Ti
                   priority: int) -> dict:
     """The request a replica gets: the client's, streamed with usage, plus the tier as
     the replica's kind understands it."""
-    body = {**body, "model": spec.models[0] if spec.models else model, "stream": True,
+    # the replica's own name for the model (its first), unless it lists the gateway's
+    named = model if model in spec.models or not spec.models else spec.models[0]
+    body = {**body, "model": named, "stream": True,
             "stream_options": {"include_usage": True}}
     body.pop("service_tier", None)
     body.pop("priority", None)
