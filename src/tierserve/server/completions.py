@@ -11,9 +11,9 @@ from tierserve.core.request import Tier
 from tierserve.errors import InvalidRequestError, OverloadedError, TierserveError
 from tierserve.router.backend import Backend, Chat, Prompt
 from tierserve.server import openai_format as fmt
+from tierserve.server import tools
 from tierserve.server.http_errors import error_body, validation_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tierserve.server import tools
 from tierserve.server.settings import Tenant
 
 KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
