@@ -16,6 +16,10 @@ NOTE: health
     Each replica's /health is polled every `health_interval_s`, and vLLM's /metrics (KV
     use, waiting queue) scraped with it. A failed poll or a broken request takes the
     replica out of the rotation; the next good poll brings it back.
+
+About 410 lines: the Backend methods, the dispatcher and the health loop share one
+request table and its locking-free invariants (a request finishes exactly once), which
+read more safely in one place than split.
 """
 
 import asyncio
