@@ -1,5 +1,8 @@
 """The scheduler: which tokens of which requests run in the next engine step.
 
+About 520 lines, kept whole: scheduling, preemption and the step's update share the
+request queues and the block manager's invariants, which are checked together.
+
 NOTE: the algorithm (schedule tokens, not phases)
     Each request has `num_computed_tokens` (KV in cache) and `num_tokens` (prompt plus
     output so far). A step hands out at most `max_num_batched_tokens` tokens to at most

@@ -165,21 +165,19 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
             if first and echo:
                 text = echo[index * num_prompts // len(run.request_ids)] + (text or "")
             lp = _new_logprobs(kind, out, tokenizer)
+            reason = out.outputs[0].finish_reason
             if held is not None:
                 held[index] = held.get(index, "") + (text or "")
-                text = None
                 if out.finished:
                     calls = tools.parse_calls(held[index], body)
                     yield fmt.chunk(kind, rid, model, tier, index, None if calls else held[index],
                                     None, True, include_usage, tool_calls=calls)
+                    reason = "tool_calls" if calls else reason
             elif text or first or lp:
                 yield fmt.chunk(kind, rid, model, tier, index, text, None, first, include_usage,
                                 lp)
             if out.finished:
                 finals[index] = out
-                reason = out.outputs[0].finish_reason
-                if held is not None and tools.parse_calls(held[index], body):
-                    reason = "tool_calls"
                 yield fmt.chunk(kind, rid, model, tier, index, None, reason,
                                 include_usage=include_usage)
         if include_usage:
