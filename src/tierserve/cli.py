@@ -54,8 +54,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench_tiers(args) -> int:
-    from tierserve.bench.tiers import run
-
+    if args.two_tenants:
+        from tierserve.bench.fairness import run
+    else:
+        from tierserve.bench.tiers import run
     run(args)
     return 0
 
@@ -218,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                "priority, tiered shared, dedicated silos")
     from tierserve.bench.tiers import add_args as add_tier_args
     add_tier_args(btier)
+    from tierserve.bench.fairness import add_args as add_fairness_args
+    add_fairness_args(btier)
     btier.set_defaults(func=cmd_bench_tiers)
     from tierserve.bench import metering as bench_metering
     bmet = bench_sub.add_parser("metering", help="engine tok/s with metering and ledger on "

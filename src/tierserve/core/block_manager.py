@@ -16,7 +16,11 @@ NOTE: how blocks move
 
     A block's hash key is (parent_hash, tokens of the block): the hash of block i chains
     the hash of block i-1, so equal keys mean equal whole prefixes. The map compares the
-    token tuple exactly, so a hash collision cannot alias two different blocks.
+    token tuple exactly, so a hash collision cannot alias two different blocks. The first
+    block's parent is the request's cache salt (its owner's: the tenant's cache group and
+    the request's `cache_salt`), compared exactly too: requests of different salts never
+    share a block, so a tenant cannot learn from `cached_tokens` or from its time to first
+    token that another tenant sent a prompt (vLLM's CVE-2025-46570).
 
 Invariants (checked by `check_invariants`, exercised by property tests):
     1. A block is in exactly one free queue iff its ref_count is 0.
@@ -32,7 +36,8 @@ from dataclasses import dataclass
 from tierserve.core.request import Request, Tier
 from tierserve.errors import ConfigError
 
-BlockKey = tuple[int, tuple[int, ...]]
+BlockKey = tuple[object, tuple[int, ...]]
+"""(parent: the previous block's hash, or the salt root for the first block; tokens)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -189,14 +194,19 @@ class BlockManager:
             del self._cached[block.key]
             block.key = None
 
+    @staticmethod
+    def _root(request: Request) -> object:
+        salt = request.owner.cache_salt
+        return 0 if salt is None else ("salt", salt)
+
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes, bs = request.block_hashes, self.block_size
         for i in range(len(hashes), num_blocks):
-            parent = hashes[i - 1] if i else 0
+            parent = hashes[i - 1] if i else self._root(request)
             hashes.append(hash((parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs)))))
 
     def _key(self, request: Request, i: int) -> BlockKey:
-        parent = request.block_hashes[i - 1] if i else 0
+        parent = request.block_hashes[i - 1] if i else self._root(request)
         bs = self.block_size
         return parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs))
 

@@ -10,7 +10,8 @@ Three policies, from plain to tier-aware:
     fcfs      arrival order; tiers ignored (rank 0 for all).
     priority  vLLM-style strict priority: tier, then the request's `priority`, then
               arrival. Victim: the running request ranked last.
-    tiered    the same order, plus the guarantees in `tiered` (the scheduler reads the
+    tiered    the same order, tenants sharing a tier fairly (core/fair.py: requests
+              of one tier ordered by fair start tag, then arrival), plus the guarantees in `tiered` (the scheduler reads the
               flag): a waiting priority request may preempt lower tiers for slots and
               blocks, a step-time cap while priority decodes, reserves, default aging,
               a flex wait limit. Victim: lowest tier, then least progress lost (fewest
@@ -98,7 +99,10 @@ class TieredPolicy:
         return request.rank
 
     def key(self, request: Request) -> tuple:
-        return (request.rank, request.priority, request.arrival_time, request.arrival_seq)
+        # An aged default request (rank above its tier) goes ahead of the priority tier's
+        # own queue, and aged ones keep their fair order among themselves.
+        return (request.rank, request.priority, request.rank == request.tier,
+                request.fair_tag, request.arrival_time, request.arrival_seq)
 
     def victim_key(self, request: Request) -> tuple:
         return (request.rank, -request.num_computed_tokens, request.arrival_time,

@@ -62,6 +62,23 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class Owner:
+    """Who a request belongs to: its tenant's fair share of a tier, and which cached
+    prefixes it may reuse."""
+
+    tenant: str = ""
+    """Requests of one tenant form one flow of the tier's fair queue (core/fair.py)."""
+    weight: float = 1.0
+    """The tenant's share of a tier relative to the others in it."""
+    cache_salt: str | None = None
+    """Prefix-cache blocks are shared only between requests with the same salt (None is
+    a salt too: the one of requests that name none)."""
+
+
+NO_OWNER = Owner()
+
+
 @dataclass(eq=False)
 class Request:
     """What the scheduler knows of one request. Plain ints and lists only."""
@@ -82,6 +99,9 @@ class Request:
     default request has aged."""
     arrival_seq: int = 0
     """Tie-break among equal arrival times; set by the scheduler on admission."""
+    owner: Owner = NO_OWNER
+    fair_tag: float = 0.0
+    """Start tag in the tier's fair queue (core/fair.py); set by the scheduler."""
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

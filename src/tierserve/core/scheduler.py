@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
+from tierserve.core.fair import FairShare
 from tierserve.core.policy import SchedulingPolicy, make_policy
 from tierserve.core.request import Request, RequestStatus, Tier
 from tierserve.core.step_time import EPS_S, StepTimeModel
@@ -164,6 +165,7 @@ class Scheduler:
             self.max_len_lower = min(max_model_len, block_manager.block_size * (
                 block_manager.num_blocks - config.reserved_priority_blocks))
         self._too_long: list[Request] = []
+        self.fair = FairShare()
 
     # ----------------------------------------------------------- queue state
     @property
@@ -176,6 +178,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.arrival_seq = self._arrivals
         self._arrivals += 1
+        self.fair.tag(request)
         self.requests[request.request_id] = request
         self._num_priority += request.tier == Tier.PRIORITY
         if request.num_prompt_tokens >= self.max_len(request.tier):
@@ -194,6 +197,7 @@ class Scheduler:
         if request is None:
             return None
         self._num_priority -= request.tier == Tier.PRIORITY
+        self.fair.finished(request)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
@@ -276,6 +280,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                self.fair.dispatched(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(request, num_new, step)

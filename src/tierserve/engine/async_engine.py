@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from tierserve.core.request import Tier
+from tierserve.core.request import Owner, Tier
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.engine.outputs import RequestOutput, read_outputs
 from tierserve.sampling_params import SamplingParams
@@ -77,12 +77,13 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
 
     async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                          tier: Tier | str = Tier.DEFAULT, priority: int = 0) -> str:
+                          tier: Tier | str = Tier.DEFAULT, priority: int = 0,
+                          owner: Owner | None = None) -> str:
         self.start()
         while not self._idle.is_set():  # the engine is not thread-safe: wait out the step
             await self._idle.wait()
         request_id = self.engine.add_request(request_id, prompt, params, tier=tier,
-                                             priority=priority)
+                                             priority=priority, owner=owner)
         self._streams[request_id] = asyncio.Queue()
         self._wake.set()
         return request_id

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from tierserve.config import EngineConfig
 from tierserve.core.clock import Clock
 from tierserve.core.engine_core import EngineCore
-from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.request import NO_OWNER, Owner, Request, RequestStatus, Tier
 from tierserve.core.stats import Metering, RequestStats, StatSink
 from tierserve.core.step_time import StepTimeModel
 from tierserve.engine.detokenizer import IncrementalDetokenizer
@@ -122,9 +122,11 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | list[int],
                     params: SamplingParams | None = None,
                     arrival_time: float | None = None, tier: Tier | str = Tier.DEFAULT,
-                    priority: int = 0) -> str:
+                    priority: int = 0, owner: Owner | None = None) -> str:
         """Queue a request (text, or token ids) asking for a service tier (it is served in
-        `served_tier(tier)`); `priority` orders requests within a tier, lower first.
+        `served_tier(tier)`); `priority` orders requests within a tier, lower first;
+        `owner` (tenant, weight, cache salt) sets its fair share and which cached prefixes
+        it may reuse (None: the anonymous owner).
         Raises InvalidRequestError, queuing nothing."""
         params = params or SamplingParams()
         try:
@@ -142,7 +144,7 @@ class LLMEngine:
             arrival_time=self.clock.now() if arrival_time is None else arrival_time,
             eos_token_id=self.eos_token_id, stop_token_ids=list(params.stop_token_ids),
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, tier=tier_value,
-            priority=priority)
+            priority=priority, owner=owner or NO_OWNER)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,

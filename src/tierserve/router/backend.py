@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from tierserve.core.request import Tier
+from tierserve.core.request import Owner, Tier
 from tierserve.engine.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
@@ -63,9 +63,11 @@ class Backend(Protocol):
         renders a chat with the model's template); raises InvalidRequestError."""
 
     async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
-                     priority: int = 0, request_id: str | None = None) -> str:
-        """Queue one request under `request_id` (None: one is made); its id. Raises
-        TierserveError, queuing nothing."""
+                     priority: int = 0, request_id: str | None = None,
+                     owner: Owner | None = None) -> str:
+        """Queue one request under `request_id` (None: one is made); its id. `owner`: its
+        tenant, fair-share weight and prefix-cache salt. Raises TierserveError, queuing
+        nothing."""
 
     def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Its outputs until it finishes; closing early aborts it."""

@@ -14,7 +14,7 @@ here so the two engines' ids cannot collide.
 
 import itertools
 
-from tierserve.core.request import Tier
+from tierserve.core.request import Owner, Tier
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.sampling_params import SamplingParams
 
@@ -43,11 +43,13 @@ class DedicatedEngines:
         return self._target(tier).engine.served_tier(tier)
 
     async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                          tier: Tier = Tier.DEFAULT, priority: int = 0) -> str:
+                          tier: Tier = Tier.DEFAULT, priority: int = 0,
+                          owner: Owner | None = None) -> str:
         target = self._target(Tier.parse(tier))
         request_id = request_id or f"{'fast' if target is self.fast else 'main'}-" \
                                    f"{next(self._ids)}"
-        request_id = await target.add_request(prompt, params, request_id, tier, priority)
+        request_id = await target.add_request(prompt, params, request_id, tier, priority,
+                                              owner)
         self._owner[request_id] = target
         return request_id
 

@@ -32,7 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierserve.core.clock import Clock
-from tierserve.core.request import Tier
+from tierserve.core.request import NO_OWNER, Owner, Tier
 from tierserve.core.stats import RequestCost, RequestStats
 from tierserve.core.step_time import StepTimeModel
 from tierserve.engine.outputs import CompletionOutput, RequestOutput, read_outputs
@@ -62,6 +62,7 @@ class _Request:
     params: SamplingParams
     priority: int
     stats: RequestStats
+    owner: Owner = NO_OWNER
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     text: str = ""
     attempts: int = 0
@@ -130,7 +131,8 @@ class FleetBackend:
         return prompt
 
     async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
-                     priority: int = 0, request_id: str | None = None) -> str:
+                     priority: int = 0, request_id: str | None = None,
+                     owner: Owner | None = None) -> str:
         self._start()
         if not any(r.takes(tier) for r in self.gateway.replicas):
             raise ReplicaUnavailableError("no healthy replica can take this request now")
@@ -149,7 +151,8 @@ class FleetBackend:
                           prefix_keys(tokens if tokens is not None else self._text(prompt)))
         stats = RequestStats(rid, now, tier=tier.label, served_tier=tier.label,
                              num_prompt_tokens=n)
-        self._requests[rid] = _Request(pending, prompt, params, priority, stats)
+        self._requests[rid] = _Request(pending, prompt, params, priority, stats,
+                                       owner or NO_OWNER)
         self.gateway.submit(pending)
         self._wake.set()
         return rid
@@ -316,6 +319,8 @@ class FleetBackend:
             body["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
         if p.grammar is not None:
             body["structured_outputs"] = p.grammar.to_vllm()
+        if req.owner.cache_salt is not None:  # vLLM keys its prefix cache by it too
+            body["cache_salt"] = req.owner.cache_salt
         if isinstance(req.prompt, Chat):
             path, body["messages"] = "/v1/chat/completions", req.prompt.messages
         else:

@@ -3,7 +3,7 @@ dedicated pair (router/dedicated.py)."""
 
 from collections import Counter
 
-from tierserve.core.request import RequestStatus, Tier
+from tierserve.core.request import Owner, RequestStatus, Tier
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.errors import InvalidRequestError
 from tierserve.router.backend import Chat, Load, Prompt
@@ -37,9 +37,10 @@ class LocalBackend:
         return self.tokenizer.apply_chat_template(prompt.messages)
 
     async def submit(self, prompt: Prompt, params: SamplingParams, tier: Tier,
-                     priority: int = 0, request_id: str | None = None) -> str:
+                     priority: int = 0, request_id: str | None = None,
+                     owner: Owner | None = None) -> str:
         return await self.deployment.add_request(prompt, params, request_id, tier=tier,
-                                                 priority=priority)
+                                                 priority=priority, owner=owner)
 
     def stream(self, request_id: str):
         return self.deployment.stream(request_id)
