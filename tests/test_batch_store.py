@@ -42,12 +42,12 @@ class FakeEngine:
         self.delay_s = delay_s
         self.calls: list[str] = []
 
-    async def __call__(self, batch, custom_id: str, body: dict):
+    async def __call__(self, batch, custom_id: str, body: dict, request_id: str):
         self.calls.append(custom_id)
         await asyncio.sleep(self.delay_s)
         if body.get("bad"):
             return 400, {"error": {"message": "bad line", "type": "invalid_request_error"}}
-        return 200, {"id": "cmpl-" + custom_id, "usage": {
+        return 200, {"id": request_id, "usage": {
             "prompt_tokens": 2, "completion_tokens": len(body["prompt"]),
             "cost": 1.0, "cost_details": {"machine_usd": 0.5, "charge_usd": 1.0}}}
 

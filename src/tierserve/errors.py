@@ -64,10 +64,13 @@ class RequestTooLargeError(TierserveError):
 class OverloadedError(TierserveError):
     """A queue is full, or a flex request waited past its limit: retry later."""
 
-    def __init__(self, message: str, retry_after_s: int = 1, code: str = "rate_limit_exceeded"):
+    def __init__(self, message: str, retry_after_s: int = 1, code: str = "rate_limit_exceeded",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.code = code
+        self.headers = dict(headers or {})
+        """More response headers (a tenant's x-ratelimit-* state)."""
 
 
 class UpstreamError(TierserveError):

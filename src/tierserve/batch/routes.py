@@ -9,7 +9,7 @@ import contextlib
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict, Field
 
 from tierserve.batch import validate
 from tierserve.batch.runner import BatchRunner
@@ -17,16 +17,23 @@ from tierserve.batch.store import BatchStore, new_id
 from tierserve.errors import (ConflictError, InvalidRequestError, NotFoundError,
                               RequestTooLargeError, TierNotAllowedError)
 from tierserve.server import completions
-from tierserve.server.settings import TIERS, Tenant
+from tierserve.server.protocol import UnicodeBody, not_unicode
+from tierserve.server.settings import Tenant
 
 CHUNK = 1 << 20
+UPLOAD_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"type": "object", "required": ["file", "purpose"], "properties": {
+        "file": {"type": "string", "format": "binary"},
+        "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+"""The upload's form in the OpenAPI document (the route reads it by hand, to stream it)."""
 
 
-class BatchCreate(BaseModel):
+class BatchCreate(UnicodeBody):
     model_config = ConfigDict(extra="ignore")
     input_file_id: str
-    endpoint: str
-    completion_window: str
+    # the allowed values are documented, but checked in the route for OpenAI's messages
+    endpoint: str = Field(json_schema_extra={"enum": list(validate.ENDPOINTS)})
+    completion_window: str = Field(json_schema_extra={"enum": list(validate.WINDOWS)})
     metadata: dict[str, str] | None = None
 
 
@@ -48,10 +55,11 @@ class Batches:
                                   state.settings.batch_max_in_flight or 2 * seqs)
         await self.runner.run()
 
-    async def _execute(self, batch, custom_id: str, body: dict):
-        tenant = Tenant(batch["tenant"], list(TIERS))
+    async def _execute(self, batch, custom_id: str, body: dict, request_id: str):
+        tenant = self.state.tenant_named(batch["tenant"])
         return await completions.execute(self.state, batch["endpoint"], body, tenant,
-                                         {"batch_id": batch["id"], "custom_id": custom_id})
+                                         {"batch_id": batch["id"], "custom_id": custom_id},
+                                         request_id)
 
     def wake(self) -> None:
         if self.runner is not None:
@@ -67,7 +75,7 @@ def register(app: FastAPI, state) -> None:
             raise NotFoundError("batch jobs are off on this server (start it with --data-dir)")
         return state.batches.store, tenant
 
-    @app.post("/v1/files")
+    @app.post("/v1/files", openapi_extra=UPLOAD_FORM)
     async def upload(request: Request):
         files, tenant = store(request)
         form = await request.form(max_files=1)
@@ -82,7 +90,7 @@ def register(app: FastAPI, state) -> None:
         path = files.path(file_id)
         try:
             size = await asyncio.to_thread(_save, upload.file, path, settings.max_file_bytes)
-            await asyncio.to_thread(validate.check_upload, path, settings.max_batch_lines)
+            await asyncio.to_thread(_check_upload, path, settings.max_batch_lines)
         except BaseException:
             path.unlink(missing_ok=True)
             raise
@@ -136,6 +144,10 @@ def register(app: FastAPI, state) -> None:
         requests, errors = await asyncio.to_thread(
             validate.parse_requests, files.path(body.input_file_id), body.endpoint,
             settings.max_batch_lines)
+        if not_unicode([custom_id for custom_id, _ in requests]) is not None:
+            raise InvalidRequestError(f"file {body.input_file_id} has a custom_id that is not "
+                                      "valid Unicode (a lone surrogate escape such as \\ud800)",
+                                      param="input_file_id")
         batch = files.create_batch(tenant.name, body.input_file_id, body.endpoint,
                                    validate.WINDOWS[body.completion_window],
                                    body.completion_window, body.metadata, requests, errors)
@@ -194,6 +206,13 @@ def _save(src, path, limit: int) -> int:
                 raise RequestTooLargeError(f"the file exceeds the {limit}-byte limit")
             dst.write(chunk)
     return size
+
+
+def _check_upload(path, max_lines: int) -> int:
+    try:
+        return validate.check_upload(path, max_lines)
+    except UnicodeDecodeError:  # JSON Lines are UTF-8 text
+        raise InvalidRequestError("the file is not UTF-8 text", param="file") from None
 
 
 def _page(data: list[dict], more: bool) -> dict:

@@ -16,6 +16,11 @@ NOTE: cancel and expiry
 
 NOTE: restarts
     State lives in the store (see its note); the runner's own state is what is in flight.
+    A line runs under one request id made from its batch and index (`line_request_id`):
+    the ledger row, the output line's `id` and `request_id`, and the response's `id`. Its
+    result is recorded only after its ledger row is committed (the request path waits for
+    that), and the ledger keeps one row per id; so a line that finished just before a
+    crash runs again after the restart and is charged once, for the answer kept.
     On start, a batch found `finalizing` is finalized again, one `cancelling` is cancelled,
     and the pending lines of the others are fed from the first.
 """
@@ -25,15 +30,20 @@ import logging
 import time
 from collections import deque
 
-from tierserve.batch.store import BatchStore, new_id
+from tierserve.batch.store import BatchStore
+
+
+def line_request_id(batch_id: str, idx: int) -> str:
+    """The request id of line `idx` of a batch, the same on every run of the line."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{idx}"
 
 log = logging.getLogger("tierserve.batch")
 
 
 class BatchRunner:
     def __init__(self, store: BatchStore, execute, max_in_flight: int, clock=time.time):
-        """`execute(batch_row, custom_id, body) -> (status_code, response_body)` runs one
-        line (server.completions.execute behind a closure)."""
+        """`execute(batch_row, custom_id, body, request_id) -> (status_code,
+        response_body)` runs one line (server.completions.execute behind a closure)."""
         self.store, self.execute = store, execute
         self.max_in_flight = max(1, max_in_flight)
         self.clock = clock
@@ -100,10 +110,11 @@ class BatchRunner:
 
     async def _run_line(self, batch, idx: int) -> None:
         bid = batch["id"]
+        rid = line_request_id(bid, idx)
         try:
             custom_id, body = self.store.line(bid, idx)
             try:
-                status, response = await self.execute(batch, custom_id, body)
+                status, response = await self.execute(batch, custom_id, body, rid)
             except asyncio.CancelledError:
                 raise  # shutting down: the line stays pending and runs after a restart
             except Exception as exc:  # a bug, not the line's fault: fail the line, say why
@@ -111,9 +122,8 @@ class BatchRunner:
                 status, response = 500, {"error": {"message": f"internal error: {exc}",
                                                    "type": "server_error", "param": None,
                                                    "code": "internal_error"}}
-            result = {"id": new_id("batch_req_"), "custom_id": custom_id,
-                      "response": {"status_code": status,
-                                   "request_id": response.get("id") or new_id("req_"),
+            result = {"id": rid, "custom_id": custom_id,
+                      "response": {"status_code": status, "request_id": rid,
                                    "body": response},
                       "error": None}
             self.store.record(bid, idx, status == 200, result, response.get("usage"))
@@ -131,7 +141,7 @@ class BatchRunner:
             assert code is not None, f"batch {bid} line {idx} pending at completion"
             custom_id, _ = self.store.line(bid, idx)
             self.store.record(bid, idx, False, {
-                "id": new_id("batch_req_"), "custom_id": custom_id, "response": None,
+                "id": line_request_id(bid, idx), "custom_id": custom_id, "response": None,
                 "error": {"code": code, "message": f"the batch was {status} before this line "
                                                    "ran"}})
         out, err = self.store.results(bid)

@@ -5,7 +5,10 @@ intervals between steps, so a bill can be explained line by line. It lives in a 
 NOTE: durability
     Rows go through a queue to one writer thread, which commits every
     `commit_interval_s` (0.25 s): the engine loop never waits on the database. `close()`
-    drains the queue and commits, so a clean shutdown loses nothing. A SQLite ledger is in
+    drains the queue and commits, so a clean shutdown loses nothing. `barrier(callback)`
+    commits what is queued at once and then calls back: the server answers a request (and
+    the batch runner marks a line done) only after its row is committed, so whatever a
+    client was told finished is in the ledger even after a SIGKILL. A SQLite ledger is in
     WAL mode: after a SIGKILL at most the rows of the last commit interval are missing,
     and it opens cleanly. Readers (`tierserve bill`, `spent`) can read while the server
     writes. If a commit fails (PostgreSQL restarting, a network error), the writer logs it,
@@ -18,6 +21,12 @@ NOTE: migrations
     has shipped: add the next. Opening an older database brings it up to date; an empty
     one gets them all. Write schema statements with `db.ddl` (SQLite's types, mapped on
     PostgreSQL), and quote the column `end` (reserved in PostgreSQL) in every query.
+
+NOTE: one row per request id
+    `request_id` is unique, and writing a row for an id already there replaces it. A batch
+    line runs under an id made from its batch and line, so a line that finished just
+    before a crash and runs again after the restart is charged once (for the run whose
+    answer the output file holds), not twice.
 """
 
 import itertools
@@ -96,6 +105,14 @@ def m003_batch_and_latency(db: Database) -> None:
     db.ddl("CREATE INDEX requests_tenant_time ON requests (tenant, time)")
 
 
+@migration
+def m004_unique_request_id(db: Database) -> None:
+    # Older ledgers may hold a batch line twice (run again after a crash): keep its latest.
+    db.execute("DELETE FROM requests WHERE id NOT IN "
+               "(SELECT max(id) FROM requests GROUP BY request_id)")
+    db.ddl("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")
+
+
 def connect(path: str | Path, migrations: list | None = None) -> Database:
     """Open (creating if needed) and migrate the ledger at `path`, a SQLite file or a
     `postgresql://` URL (or another database with its own list of `migrations`, such as
@@ -134,7 +151,10 @@ class RequestRow:
 
 _REQUEST_COLUMNS = list(RequestRow.__dataclass_fields__)
 _INSERT_REQUEST = (f"INSERT INTO requests ({', '.join(_REQUEST_COLUMNS)}) VALUES "
-                   f"({', '.join('?' * len(_REQUEST_COLUMNS))})")
+                   f"({', '.join('?' * len(_REQUEST_COLUMNS))}) ON CONFLICT (request_id) "
+                   f"DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in
+                                                  _REQUEST_COLUMNS if c != "request_id"))
+_BARRIER = object()  # a queue item: commit now, then call back
 _INSERT_IDLE = ('INSERT INTO idle (start, "end", model, cost, reserved_cost) '
                 'VALUES (?, ?, ?, ?, ?)')
 _SPENT = "SELECT coalesce(sum(charge), 0) FROM requests WHERE tenant = ? AND time >= ?"
@@ -164,6 +184,11 @@ class Ledger:
         values = asdict(row)
         values["tags"] = json.dumps(row.tags, sort_keys=True)
         self._queue.put((_INSERT_REQUEST, tuple(values[c] for c in _REQUEST_COLUMNS)))
+
+    def barrier(self, callback) -> None:
+        """Commit everything queued now, then call `callback()` (from the writer thread;
+        also if the rows had to be dropped at close)."""
+        self._queue.put((_BARRIER, callback))
 
     def record_idle(self, start_unix: float, end_unix: float, model: str, cost: float,
                     reserved_cost: float) -> None:
@@ -211,12 +236,18 @@ class Ledger:
         db = None
         try:
             while True:
-                batch, stop = [], False
+                batch, stop, callbacks = [], False, []
                 item = self._queue.get()
                 deadline = time.monotonic() + self.commit_interval_s
                 while True:
                     if item is None:
                         stop = True
+                        break
+                    if item[0] is _BARRIER:
+                        callbacks.append(item[1])
+                        if not self._queue.empty():  # take what is already queued too
+                            item = self._queue.get()
+                            continue
                         break
                     batch.append(item)
                     remaining = deadline - time.monotonic()
@@ -249,6 +280,8 @@ class Ledger:
                             log.error("ledger: closing; dropped %d rows", len(batch))
                             break
                         time.sleep(min(0.1 * 2 ** failures, 5.0))
+                for callback in callbacks:
+                    callback()
                 if stop:
                     return
         finally:

@@ -6,9 +6,20 @@ engine gets one `EngineMetering` (its cost meter, then this recorder) as the eng
 core's metering, which the core calls before any sink: when a request finishes, the meter
 gives its machine cost, the recorder its charge, the ledger row and the tenant's spend,
 and the resulting `Bill` is on the request's stats before a sink (the server) sees it.
+
+NOTE: budgets hold under concurrency
+    A request of a tenant with a budget reserves its worst-case charge when it is admitted
+    (`reserve`: its prompt and `max_tokens` at its tier's price) and is admitted only
+    while the tenant's spend plus what is reserved is below the budget. When it finishes
+    (or is aborted) the reservation is settled to the real charge; a request that never
+    reached the engine releases it (`forget`). So however many requests a tenant sends at
+    once, its spend can pass its budget by at most one request's worst case: the last one
+    admitted while something was left.
 """
 
+import asyncio
 import calendar
+import threading
 import time
 from dataclasses import dataclass
 
@@ -77,6 +88,9 @@ class Recorder:
         self._unix_offset = time.time() - time.monotonic()
         self._spend: dict[str, tuple[float, float]] = {}  # tenant -> (period start, USD)
         self._read_at: dict[str, float] = {}
+        self._holds: dict[str, tuple[str, float]] = {}  # request id -> (tenant, USD held)
+        self._reserved: dict[str, float] = {}  # tenant -> USD held by its requests
+        self._hold_lock = threading.Lock()  # reserve (event loop) vs settle (engine thread)
         self.shared_refresh_s = 0.5
         """How stale another gateway's spend may be (a shared PostgreSQL ledger)."""
         self.idle_cost_usd = 0.0
@@ -97,16 +111,41 @@ class Recorder:
                  tags: dict | None) -> None:
         self._pending[request_id] = _Pending(tenant, tier_requested, dict(tags or {}))
 
-    def check_budget(self, tenant: str) -> None:
+    def reserve(self, tenant: str, holds: list[tuple[str, float]]) -> None:
+        """Admit requests of `tenant`, each (request id, worst-case charge in USD), or
+        raise 429 insufficient_quota holding nothing (see the note on budgets)."""
         budget = self.budgets.get(tenant)
         if budget is None:
             return
-        spent = self.spent(tenant)
-        if spent >= budget.amount_usd:
+        with self._hold_lock:  # a request settling meanwhile moves held to spent at once
+            self._hold(tenant, budget, self.spent(tenant), holds)
+
+    def _hold(self, tenant: str, budget: Budget, spent: float,
+              holds: list[tuple[str, float]]) -> None:
+        reserved = self._reserved.get(tenant, 0.0)
+        if spent + reserved >= budget.amount_usd:
             raise OverloadedError(
                 f"tenant {tenant!r} has used its budget of ${budget.amount_usd:g} per "
-                f"{budget.period} (spent ${spent:.6f}); requests resume next period or when "
-                "the budget is raised", retry_after_s=3600, code="insufficient_quota")
+                f"{budget.period} (spent ${spent:.6f}, ${reserved:.6f} held by requests "
+                "running); requests resume next period, when the budget is raised, or "
+                "(if something is held) when running requests finish",
+                retry_after_s=1 if reserved else 3600, code="insufficient_quota")
+        for request_id, usd in holds:
+            self._holds[request_id] = (tenant, usd)
+            reserved += usd
+        self._reserved[tenant] = reserved
+
+    def reserved(self, tenant: str) -> float:
+        """USD held by the tenant's admitted, unfinished requests."""
+        return self._reserved.get(tenant, 0.0)
+
+    def _release(self, request_id: str) -> None:
+        """Drop a request's hold (the caller holds `_hold_lock`)."""
+        held = self._holds.pop(request_id, None)
+        if held is not None:
+            tenant, usd = held
+            left = self._reserved[tenant] - usd
+            self._reserved[tenant] = left if left > 1e-15 else 0.0
 
     def spent(self, tenant: str) -> float:
         """The tenant's spend this budget period: the ledger's sum, read once per period
@@ -138,12 +177,14 @@ class Recorder:
         charge = self.prices.charge(tier_served, stats.num_prompt_tokens,
                                     stats.num_cached_tokens,
                                     stats.num_output_tokens) if ran else 0.0
-        if pending.tenant in self.budgets:
-            start, total = self._spend.get(pending.tenant) or (None, None)
-            if start is None:
-                self.spent(pending.tenant)  # loads the period's spend (this row not yet in)
-                start, total = self._spend[pending.tenant]
-            self._spend[pending.tenant] = (start, total + charge)
+        with self._hold_lock:  # the charge replaces the hold in one move
+            if pending.tenant in self.budgets:
+                start, total = self._spend.get(pending.tenant) or (None, None)
+                if start is None:
+                    self.spent(pending.tenant)  # loads the period's spend (row not yet in)
+                    start, total = self._spend[pending.tenant]
+                self._spend[pending.tenant] = (start, total + charge)
+            self._release(stats.request_id)
         if self.ledger is not None:
             self._write(stats, cost, charge, pending)
         return charge
@@ -161,9 +202,28 @@ class Recorder:
             mean_batch_size=cost.mean_batch_size, ttft_s=stats.ttft_s,
             e2e_s=stats.e2e_s))
 
+    async def committed(self, timeout_s: float = 5.0) -> None:
+        """Wait until the rows recorded so far are committed (at most `timeout_s`: a
+        database that is down delays answers by that much, it does not stop them)."""
+        if self.ledger is None:
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake():
+            try:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+            except RuntimeError:  # the loop has closed (shutdown): nobody waits any more
+                pass
+
+        self.ledger.barrier(wake)
+        await asyncio.wait([done], timeout=timeout_s)
+
     def forget(self, request_id: str) -> None:
         """A request that never reached the engine (an error while adding it)."""
         self._pending.pop(request_id, None)
+        with self._hold_lock:
+            self._release(request_id)
 
     # ------------------------------------------------------------------ idle
     def flush_idle(self, final: bool = False) -> list[IdleInterval]:

@@ -31,6 +31,7 @@ from tierserve.server import completions
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
+from tierserve.server.limits import RateLimiter
 from tierserve.server.metrics import Metrics
 from tierserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
@@ -49,6 +50,7 @@ class ServerState:
                                  Ledger(settings.ledger_target)
                                  if settings.ledger_target else None,
                                  settings.budgets, on_idle=self.metrics.observe_idle)
+        self.limiter = RateLimiter(settings.rate_limits)
         self.backend: Backend | None = None
         self.admission: Admission | None = None
         self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
@@ -57,6 +59,9 @@ class ServerState:
     def attach(self, backend: Backend) -> None:
         backend.meter(self.recorder, self.settings.price_per_hour, self)
         self.metrics.slo = dict(backend.slo)
+        if isinstance(backend, LocalBackend):
+            self.metrics.watch_block_managers([p.engine.block_manager
+                                               for p in backend.deployment.engines])
         self.admission = Admission(self.settings.queue_limits, backend.max_num_seqs)
         self.backend = backend
 
@@ -83,6 +88,13 @@ class ServerState:
         if key not in keys:
             raise AuthenticationError("missing or invalid API key (Authorization: Bearer ...)")
         return keys[key]
+
+    def tenant_named(self, name: str) -> Tenant:
+        """The tenant called `name` (a batch job's owner), as its keys configure it."""
+        for tenant in self.settings.api_keys.values():
+            if tenant.name == name:
+                return tenant
+        return Tenant(name) if name != OPEN_TENANT.name else OPEN_TENANT
 
     def tokenizer(self):
         tok = self.ready().tokenizer

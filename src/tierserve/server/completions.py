@@ -3,6 +3,7 @@ request, whole or streamed answers; and the same path for one line of a batch jo
 """
 
 import asyncio
+import json
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
@@ -33,9 +34,11 @@ def prompts(state, body: ChatCompletionRequest | CompletionRequest) -> list[Prom
     return [backend.prepare(x) for x in found]
 
 
-async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -> tuple[int, dict]:
-    """One batch line, run whole in the batch tier: (HTTP status, response body). Errors
-    become the body the HTTP route would have answered, so a bad line fails alone."""
+async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict,
+                  rid: str) -> tuple[int, dict]:
+    """One batch line, run whole in the batch tier under request id `rid`: (HTTP status,
+    response body). Errors become the body the HTTP route would have answered, so a bad
+    line fails alone."""
     kind, model = KINDS[endpoint]
     try:
         try:
@@ -46,7 +49,6 @@ async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
         state.check_model(body.model)
         found = prompts(state, body)
-        rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
         run, tier = await start(state, body, found, tenant, rid, tier=Tier.BATCH, tags=tags,
                                 queue_limit=False)
         result, _ = await collect(state, run, kind, tier, body, found)
@@ -55,29 +57,68 @@ async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict) -
         return error_body(exc)
 
 
+FLEET_CONTEXT_GUESS = 32768
+"""Context length assumed for a worst case where the backend does not know the model's
+(fleet mode) and the request gives no max_tokens."""
+
+
+def worst_case_tokens(backend: Backend, prompt: Prompt, params) -> tuple[int, int]:
+    """(prompt tokens, output tokens) at most: what a request may be charged for, before
+    it runs. A text is counted as its UTF-8 bytes (a token is at least one byte) and a
+    chat as its JSON's bytes, where the prompt is not already token ids."""
+    if isinstance(prompt, list):
+        n = len(prompt)
+    elif isinstance(prompt, str):
+        n = len(prompt.encode())
+    else:
+        n = len(json.dumps(prompt.messages).encode())
+    room = (backend.max_model_len or FLEET_CONTEXT_GUESS) - n
+    return n, params.max_tokens or max(room, 1)
+
+
 async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier | None = None,
                 tags: dict | None = None, queue_limit: bool = True) -> tuple["ChoiceRun", str]:
     """Admit the request and add every choice to the backend; `tier` None: from the body.
     The first choice runs under the response's id `rid`, choice i under `rid-i`: the ledger
-    row of a response is found by its id. Returns the run and the tier that serves it."""
+    row of a response is found by its id. Admission takes, in order: the tenant's rate
+    limits, a reservation of its worst-case charge against its budget, a place in the
+    tier's queue; a refusal at any of them gives back what was taken. Returns the run and
+    the tier that serves it; the run's `headers` carry the tenant's rate-limit state."""
     if body.n > state.settings.max_n:
         raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
     backend = state.ready()
     asked = tier if tier is not None else state.tier_for(body.service_tier, tenant)
     served = backend.served_tier(asked).label
-    state.recorder.check_budget(tenant.name)
     params = [body.sampling_params(i) for i in range(body.n)]
-    state.admission.admit(served, len(prompts) * body.n, enforce=queue_limit)
-    run = ChoiceRun(state, backend, served, expected=len(prompts) * body.n)
+    worst = [(p, worst_case_tokens(backend, p, sp)) for p in prompts for sp in params]
+    ids = [f"{rid}-{i}" if i else rid for i in range(len(worst))]
+    tokens = sum(a + b for _, (a, b) in worst)
+    headers = state.limiter.take(tenant.name, 1, tokens)
+    prices = state.recorder.prices
     try:
-        for prompt in prompts:
-            for p in params:
-                index = len(run.request_ids)
-                request_id = await run.add(prompt, p, asked, body.priority,
-                                           f"{rid}-{index}" if index else rid)
-                state.recorder.register(request_id, tenant.name, asked.label,
-                                        {**body.tags(), **(tags or {})})
+        state.recorder.reserve(tenant.name, [
+            (i, prices.charge(served, a, 0, b)) for i, (_, (a, b)) in zip(ids, worst)])
+        try:
+            state.admission.admit(served, len(worst), enforce=queue_limit)
+        except Exception:
+            for i in ids:
+                state.recorder.forget(i)
+            raise
     except Exception:
+        state.limiter.give_back(tenant.name, 1, tokens)
+        raise
+    run = ChoiceRun(state, backend, served, expected=len(worst))
+    run.headers = headers
+    owner = tenant.owner(body.cache_salt)
+    try:
+        for index, request_id in enumerate(ids):
+            prompt, p = prompts[index // body.n], params[index % body.n]
+            state.recorder.register(request_id, tenant.name, asked.label,
+                                    {**body.tags(), **(tags or {})})
+            await run.add(prompt, p, asked, body.priority, request_id, owner)
+    except Exception:
+        for i in ids[len(run.request_ids):]:
+            state.recorder.forget(i)  # never reached the engine: nothing to settle
         run.close()
         raise
     return run, served
@@ -93,6 +134,7 @@ async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
                 finals[index] = out
     finally:
         run.close()
+    await state.recorder.committed()  # answered only once billed (see ledger's note)
     outputs = [finals[i] for i in range(len(run.request_ids))]
     calls = [tools.parse_calls(o.outputs[0].text, body) for o in outputs] \
         if kind == "chat" else None
@@ -136,9 +178,9 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
                                       body, len(prompts), echo, state.backend.tokenizer),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "x-request-id": rid,
-                                          "x-tierserve-served-tier": tier})
+                                          "x-tierserve-served-tier": tier, **run.headers})
     result, outputs = await collect(state, run, kind, tier, body, prompts)
-    return JSONResponse(result, headers={"x-request-id": rid,
+    return JSONResponse(result, headers={"x-request-id": rid, **run.headers,
                                          **fmt.cost_headers(outputs, tier)})
 
 
@@ -183,6 +225,7 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
         if include_usage:
             outputs = [finals[i] for i in range(len(run.request_ids))]
             yield fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)
+        await run.state.recorder.committed()  # [DONE] only once billed
         yield "data: [DONE]\n\n"
     except Exception as exc:  # under way: the stream ends with an error event, not a cut
         status, body = error_body(exc)
@@ -209,13 +252,15 @@ class ChoiceRun:
         self.expected = expected
         """Admission slots taken for this run: one per choice, added or not."""
         self.request_ids: list[str] = []
+        self.headers: dict[str, str] = {}
+        """The tenant's x-ratelimit-* state after this request was admitted."""
         self._started: set[str] = set()
         self._done: set[str] = set()
         self._closed = False
 
     async def add(self, prompt: Prompt, params, tier: Tier, priority: int = 0,
-                  request_id: str | None = None) -> str:
-        rid = await self.backend.submit(prompt, params, tier, priority, request_id)
+                  request_id: str | None = None, owner=None) -> str:
+        rid = await self.backend.submit(prompt, params, tier, priority, request_id, owner)
         self.request_ids.append(rid)
         return rid
 

@@ -4,8 +4,9 @@ Loaded from flags and from a YAML file whose keys mirror the flags (`--max-num-s
 `max_num_seqs:`); tenants and queue limits are YAML-only structures:
 
     api_keys:
-      sk-team-a: {tenant: team-a, tiers: [priority, default, flex]}
-      sk-batchy: {tenant: analytics, tiers: [flex, batch]}
+      sk-team-a: {tenant: team-a, tiers: [priority, default, flex], weight: 2}
+      sk-batchy: {tenant: analytics, tiers: [flex, batch], cache_group: shared}
+    rate_limits: {team-a: {requests_per_minute: 600, tokens_per_minute: 200000}}
     strict_tiers: false
     queue_limits: {priority: 16, default: 128, flex: 256}
 """
@@ -13,12 +14,13 @@ Loaded from flags and from a YAML file whose keys mirror the flags (`--max-num-s
 import ipaddress
 from dataclasses import dataclass, field
 
-from tierserve.core.request import TIER_NAMES
+from tierserve.core.request import TIER_NAMES, Owner
 from tierserve.errors import ConfigError
 from tierserve.metering.prices import PriceList, machine_price
 from tierserve.metering.recorder import Budget
 from tierserve.router.flow import FlowConfig
 from tierserve.router.remote import ReplicaSpec
+from tierserve.server.limits import RateLimit
 
 TIERS = TIER_NAMES
 
@@ -29,6 +31,17 @@ class Tenant:
     """Who is billed; appears in logs and, later, in the ledger."""
     tiers: list[str] = field(default_factory=lambda: list(TIERS))
     """Tiers this tenant's key may use (`batch`: the /v1/batches API)."""
+    weight: float = 1.0
+    """Share of a tier against the other tenants in it (fair queuing by tokens)."""
+    cache_group: str | None = None
+    """Tenants of one named group share cached prompt prefixes; None: the tenant's own
+    cache, which no other tenant's request can hit."""
+
+    def owner(self, cache_salt: str | None = None) -> Owner:
+        """The engine's view of a request of this tenant (`cache_salt`: the request's)."""
+        salt = self.cache_group or f"tenant:{self.name}"
+        return Owner(self.name, self.weight,
+                     salt if cache_salt is None else f"{salt}\x00{cache_salt}")
 
 
 OPEN_TENANT = Tenant("anonymous")
@@ -65,7 +78,10 @@ class ServerSettings:
     prices: PriceList = field(default_factory=PriceList)
     """What tenants are charged per million tokens, with tier multipliers."""
     budgets: dict[str, Budget] = field(default_factory=dict)
-    """Tenant name -> budget; at the budget, new requests get 429 insufficient_quota."""
+    """Tenant name -> budget. A request reserves its worst-case charge when admitted;
+    once spent plus reserved reaches the budget, new requests get 429 insufficient_quota."""
+    rate_limits: dict[str, RateLimit] = field(default_factory=dict)
+    """Tenant name -> requests and tokens per minute (429 rate_limit_exceeded beyond)."""
     data_dir: str | None = None
     """Where uploaded files, batch results and the batch queue (SQLite) live; None: no
     /v1/files or /v1/batches (the CLI defaults to the user's data dir)."""
@@ -104,6 +120,9 @@ class ServerSettings:
             if bad or not tenant.tiers:
                 raise ConfigError(f"tenant {tenant.name!r}: tiers must be a non-empty subset "
                                   f"of {', '.join(TIERS)}, got {tenant.tiers}")
+            if not tenant.weight > 0:
+                raise ConfigError(f"tenant {tenant.name!r}: weight must be > 0, "
+                                  f"got {tenant.weight}")
         for tier, limit in self.queue_limits.items():
             if tier not in TIERS or limit < 0:
                 raise ConfigError(f"queue_limits: bad entry {tier}: {limit}")
@@ -149,6 +168,13 @@ class ServerSettings:
         return out
 
     @staticmethod
+    def parse_rate_limits(raw: dict) -> dict[str, RateLimit]:
+        """YAML `rate_limits: {team-a: {requests_per_minute: 600, tokens_per_minute: N}}`."""
+        if not isinstance(raw or {}, dict):
+            raise ConfigError(f"rate_limits: expected a mapping of tenants, got {raw!r}")
+        return {str(t): RateLimit.parse(str(t), spec) for t, spec in (raw or {}).items()}
+
+    @staticmethod
     def parse_prices(raw: dict) -> PriceList:
         """YAML `prices: {input_per_m: .., cached_input_per_m: .., output_per_m: ..,
         tier_multipliers: {priority: 2.0, ...}}`."""
@@ -170,7 +196,24 @@ class ServerSettings:
                 spec = {"tenant": spec}
             if not isinstance(spec, dict) or "tenant" not in spec:
                 raise ConfigError(f"api_keys: entry for a key needs a tenant name, got {spec!r}")
-            keys[str(key)] = Tenant(str(spec["tenant"]), list(spec.get("tiers", TIERS)))
+            unknown = set(spec) - {"tenant", "tiers", "weight", "cache_group"}
+            if unknown:
+                raise ConfigError(f"api_keys: unknown field {sorted(unknown)[0]!r} for "
+                                  f"tenant {spec['tenant']!r}")
+            try:
+                weight = float(spec.get("weight", 1.0))
+            except (TypeError, ValueError):
+                raise ConfigError(f"api_keys: weight of tenant {spec['tenant']!r} must be a "
+                                  f"number, got {spec.get('weight')!r}") from None
+            group = spec.get("cache_group")
+            keys[str(key)] = Tenant(str(spec["tenant"]), list(spec.get("tiers", TIERS)),
+                                    weight, None if group is None else str(group))
+        by_name: dict[str, Tenant] = {}
+        for tenant in keys.values():  # one tenant's keys must agree on what it shares
+            seen = by_name.setdefault(tenant.name, tenant)
+            if (seen.weight, seen.cache_group) != (tenant.weight, tenant.cache_group):
+                raise ConfigError(f"api_keys: the keys of tenant {tenant.name!r} give "
+                                  "different weights or cache groups")
         return keys
 
 
