@@ -217,3 +217,49 @@ def test_a_request_id_written_twice_is_one_row(tmp_path):
     assert done == [True]
     rows = connect(tmp_path / "l.db").execute("SELECT charge FROM requests").fetchall()
     assert [r[0] for r in rows] == [2.0]  # the later run (the answer kept) replaces it
+
+
+# ----------------------------------------------------------------- admin API
+ADMIN = "admin-key-0123456789"
+
+
+def test_tenants_and_keys_change_without_a_restart_and_persist(tmp_path):
+    ledger = str(tmp_path / "ledger.db")
+    srv = LiveServer(ServerSettings(admin_key=ADMIN, ledger=ledger))
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    try:
+        put = httpx.put(srv.url + "/admin/v1/tenants/acme", headers=auth, json={
+            "tiers": ["default", "flex"], "weight": 2,
+            "budget": {"amount_usd": 5, "period": "month"},
+            "rate_limits": {"requests_per_minute": 100}})
+        assert put.status_code == 200, put.text
+        assert put.json()["weight"] == 2.0
+        made = httpx.post(srv.url + "/admin/v1/tenants/acme/keys", headers=auth).json()
+        key = made["key"]
+        assert chat(srv, key).status_code == 200
+        assert chat(srv, "sk-nobody").status_code == 401  # no open mode with an admin key
+        mine = httpx.get(srv.url + "/v1/spend", headers={"Authorization": f"Bearer {key}"})
+        figures = mine.json()
+        assert figures["tenant"] == "acme" and figures["by_period"]["month"]["spent_usd"] > 0
+        assert 0 < figures["budget"]["remaining_usd"] < 5
+        metrics = httpx.get(srv.url + "/metrics").text
+        assert 'tierserve_tenant_budget_remaining_usd{tenant="acme"}' in metrics
+        assert 'tierserve_tenant_spend_usd{period="month",tenant="acme"}' in metrics
+        bad = httpx.put(srv.url + "/admin/v1/tenants/acme", headers=auth, json={"weight": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+        assert httpx.put(srv.url + "/admin/v1/tenants/acme", json={}).status_code == 401
+        keys = httpx.get(srv.url + "/admin/v1/tenants/acme/keys", headers=auth).json()["data"]
+        assert [k["id"] for k in keys] == [made["id"]] and "key" not in keys[0]
+    finally:
+        srv.stop()
+    srv = LiveServer(ServerSettings(admin_key=ADMIN, ledger=ledger))  # a restart
+    try:
+        assert chat(srv, key).status_code == 200  # the key and the tenant were kept
+        got = httpx.get(srv.url + "/admin/v1/tenants/acme", headers=auth).json()
+        assert got["budget"] == {"amount_usd": 5.0, "period": "month"}
+        assert got["tiers"] == ["default", "flex"]
+        assert httpx.delete(srv.url + f"/admin/v1/keys/{made['id']}",
+                            headers=auth).status_code == 200
+        assert chat(srv, key).status_code == 401  # revoked: refused at once
+    finally:
+        srv.stop()

@@ -133,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     arg("--port", type=int, default=8000, help="TCP port (default 8000)")
     srv.add_argument("--config", default=None,
                      help="YAML file; its keys mirror these flags (max_num_seqs: 32), plus "
-                          "api_keys, strict_tiers, queue_limits, slo, prices, budgets, "
-                          "max_file_bytes, max_batch_lines, backends, fleet; flags given win")
+                          "api_keys, admin_key, strict_tiers, queue_limits, slo, prices, "
+                          "budgets, rate_limits, max_file_bytes, max_batch_lines, backends, "
+                          "fleet; flags given win")
     arg("--served-model-name", default=None,
         help="name clients send as `model` (default: from the model file)")
     from tierserve.metering.ledger import default_path

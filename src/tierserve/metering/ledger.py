@@ -113,6 +113,25 @@ def m004_unique_request_id(db: Database) -> None:
     db.ddl("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")
 
 
+@migration
+def m005_tenants_and_keys(db: Database) -> None:
+    # Tenants and keys made through the admin API (server/tenants.py); keys stored hashed.
+    db.ddl("""
+        CREATE TABLE tenants (
+            name TEXT PRIMARY KEY,
+            spec TEXT NOT NULL,            -- JSON: tiers, weight, cache_group, budget, limits
+            updated REAL NOT NULL
+        )""")
+    db.ddl("""
+        CREATE TABLE api_keys (
+            key_id TEXT PRIMARY KEY,
+            key_hash TEXT NOT NULL UNIQUE, -- sha256 of the key, hex
+            tenant TEXT NOT NULL,
+            created REAL NOT NULL,
+            revoked REAL                   -- unix seconds; NULL while the key works
+        )""")
+
+
 def connect(path: str | Path, migrations: list | None = None) -> Database:
     """Open (creating if needed) and migrate the ledger at `path`, a SQLite file or a
     `postgresql://` URL (or another database with its own list of `migrations`, such as

@@ -90,6 +90,7 @@ class Recorder:
         self._read_at: dict[str, float] = {}
         self._holds: dict[str, tuple[str, float]] = {}  # request id -> (tenant, USD held)
         self._reserved: dict[str, float] = {}  # tenant -> USD held by its requests
+        self._charged: dict[str, float] = {}  # tenant -> USD charged by this process
         self._hold_lock = threading.Lock()  # reserve (event loop) vs settle (engine thread)
         self.shared_refresh_s = 0.5
         """How stale another gateway's spend may be (a shared PostgreSQL ledger)."""
@@ -167,6 +168,13 @@ class Recorder:
             self._read_at[tenant] = now
         return cached[1]
 
+    def spent_since(self, tenant: str, since_unix: float) -> float:
+        """What `tenant` was charged since `since_unix`: the ledger's committed rows, or,
+        without a ledger, what this process charged it (since it started)."""
+        if self.ledger is not None:
+            return self.ledger.spent(tenant, since_unix)
+        return self._charged.get(tenant, 0.0)
+
     def finished(self, stats, cost: RequestCost) -> float:
         """Charge a finished request (in the tier that served it), write its row, count
         its tenant's spend; returns the charge."""
@@ -178,6 +186,7 @@ class Recorder:
                                     stats.num_cached_tokens,
                                     stats.num_output_tokens) if ran else 0.0
         with self._hold_lock:  # the charge replaces the hold in one move
+            self._charged[pending.tenant] = self._charged.get(pending.tenant, 0.0) + charge
             if pending.tenant in self.budgets:
                 start, total = self._spend.get(pending.tenant) or (None, None)
                 if start is None:

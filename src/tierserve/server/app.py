@@ -27,11 +27,12 @@ from tierserve.metering.recorder import Recorder
 from tierserve.router.backend import Backend
 from tierserve.router.dedicated import DedicatedEngines
 from tierserve.router.local import LocalBackend
-from tierserve.server import completions
+from tierserve.server import admin, completions
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
 from tierserve.server.limits import RateLimiter
+from tierserve.server.tenants import TenantStore
 from tierserve.server.metrics import Metrics
 from tierserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
@@ -51,6 +52,7 @@ class ServerState:
                                  if settings.ledger_target else None,
                                  settings.budgets, on_idle=self.metrics.observe_idle)
         self.limiter = RateLimiter(settings.rate_limits)
+        self.tenants = TenantStore(self, settings.ledger_target)
         self.backend: Backend | None = None
         self.admission: Admission | None = None
         self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
@@ -81,16 +83,22 @@ class ServerState:
 
     def authenticate(self, request: Request) -> Tenant:
         keys = self.settings.api_keys
-        if not keys:
+        if not keys and self.settings.admin_key is None:
             return OPEN_TENANT
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if key not in keys:
+        if key in keys:
+            return keys[key]
+        name = self.tenants.lookup(key) if key else None  # made through the admin API
+        if name is None:
             raise AuthenticationError("missing or invalid API key (Authorization: Bearer ...)")
-        return keys[key]
+        return self.tenant_named(name)
 
     def tenant_named(self, name: str) -> Tenant:
-        """The tenant called `name` (a batch job's owner), as its keys configure it."""
+        """The tenant called `name` (a batch job's owner, a key's), as configured."""
+        spec = self.tenants.specs.get(name)
+        if spec is not None:
+            return Tenant(name, list(spec.tiers), spec.weight, spec.cache_group)
         for tenant in self.settings.api_keys.values():
             if tenant.name == name:
                 return tenant
@@ -132,6 +140,7 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
         if state.backend is not None:
             await state.backend.stop()
         state.recorder.close()
+        state.tenants.close()
 
     # FastAPI's own OpenTelemetry hooks (where this FastAPI has them) read the environment
     # on every request: 9% of a gateway's CPU at its ceiling. tierserve exports Prometheus.
@@ -147,6 +156,8 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
                        paths={"/v1/files": settings.max_file_bytes + CHUNK})
     _add_error_handlers(app)
     batch_routes.register(app, state)
+    admin.register(app, state)
+    state.metrics.registry.register(admin.SpendCollector(state))
 
     @app.get("/health")
     async def health():

@@ -18,7 +18,7 @@ DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "
 --step-time-profile is given."""
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
-                  "slo", "prices", "budgets", "rate_limits", "max_file_bytes", "max_batch_lines", "fleet",
+                  "slo", "prices", "budgets", "rate_limits", "admin_key", "max_file_bytes", "max_batch_lines", "fleet",
                   "backends"}
 
 
@@ -81,6 +81,7 @@ def build(args):
         prices=ServerSettings.parse_prices(extra.get("prices", {})),
         budgets=ServerSettings.parse_budgets(extra.get("budgets", {})),
         rate_limits=ServerSettings.parse_rate_limits(extra.get("rate_limits", {})),
+        admin_key=os.environ.get("TIERSERVE_ADMIN_KEY") or extra.get("admin_key"),
         data_dir=args.data_dir, batch_max_in_flight=args.batch_max_in_flight,
         backends=ServerSettings.parse_backends(args.backend or extra.get("backends", [])),
         fleet=ServerSettings.parse_fleet(extra.get("fleet", {})))

@@ -80,6 +80,9 @@ class ServerSettings:
     budgets: dict[str, Budget] = field(default_factory=dict)
     """Tenant name -> budget. A request reserves its worst-case charge when admitted;
     once spent plus reserved reaches the budget, new requests get 429 insufficient_quota."""
+    admin_key: str | None = None
+    """Bearer key of the admin API (/admin/v1/...); None: the admin API is off. Setting it
+    also ends open mode: every request then needs a key."""
     rate_limits: dict[str, RateLimit] = field(default_factory=dict)
     """Tenant name -> requests and tokens per minute (429 rate_limit_exceeded beyond)."""
     data_dir: str | None = None
@@ -112,7 +115,9 @@ class ServerSettings:
             raise ConfigError(f"database must be a postgresql:// URL, got {self.database!r}")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        if not self.api_keys and not _is_loopback(self.host):
+        if self.admin_key is not None and len(self.admin_key) < 16:
+            raise ConfigError("admin_key must have at least 16 characters")
+        if not self.api_keys and self.admin_key is None and not _is_loopback(self.host):
             raise ConfigError(f"refusing to serve {self.host} without api_keys: open mode "
                               "is for loopback addresses only")
         for key, tenant in self.api_keys.items():
