@@ -107,7 +107,8 @@ def m003_batch_and_latency(db: Database) -> None:
 
 @migration
 def m004_unique_request_id(db: Database) -> None:
-    # Older ledgers may hold a batch line twice (run again after a crash): keep its latest.
+    # The unique index cannot be built over duplicate ids; none are expected (ids were
+    # random before this step), but an edited ledger may have some: keep each id's latest.
     db.execute("DELETE FROM requests WHERE id NOT IN "
                "(SELECT max(id) FROM requests GROUP BY request_id)")
     db.ddl("CREATE UNIQUE INDEX requests_request_id ON requests (request_id)")

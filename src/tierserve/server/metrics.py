@@ -48,6 +48,9 @@ class Metrics:
                              tm, registry=r)
         self.kv_usage = Gauge("tierserve_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
                               ["model"], registry=r)
+        self.kv_blocks_in_use = Gauge(
+            "tierserve_kv_blocks_in_use", "KV blocks held by requests, read at each scrape "
+            "(in-process engines; cached-but-free blocks count as free).", ["model"], registry=r)
         self.preemptions = Counter("tierserve_preemptions",
                                    "Preemptions of requests, by the preempted one's tier.", tm,
                                    registry=r)
@@ -81,6 +84,13 @@ class Metrics:
         self.step_tokens.labels(m).observe(s.num_tokens)
         self.step_seqs.labels(m).observe(s.num_seqs)
         self.step_time.labels(m).observe(s.duration_s)
+
+    def watch_block_managers(self, managers: list) -> None:
+        """Read `tierserve_kv_blocks_in_use` off these block managers at each scrape: the
+        step gauge keeps the last step's value while the engine is idle, so only a live
+        read shows blocks that outlive their requests (a leak)."""
+        self.kv_blocks_in_use.labels(self.model).set_function(
+            lambda: sum(m.num_blocks - m.num_free_blocks for m in managers))
 
     # server side ---------------------------------------------------------
     def observe_request(self, tier: str, s: RequestStats) -> None:
