@@ -243,3 +243,33 @@ def test_a_replica_of_another_model_is_a_config_error():
     alias = ReplicaSpec("http://127.0.0.1:1", ["HuggingFaceTB/SmolLM2"], "vllm", name="b")
     assert upstream_body(alias, "/v1/completions", {}, "smol", Tier.DEFAULT, 0)["model"] == \
         "HuggingFaceTB/SmolLM2"
+
+
+def test_the_gateway_shares_a_tier_fairly_between_tenants():
+    """A's burst of 30 then B's 3: B's go out among A's first ones, not after all 30; one
+    tenant's own requests keep their arrival order."""
+    g = gateway(n=1, seqs=4, reserved_priority_seqs=0)
+    for i in range(30):
+        g.submit(Pending(f"a{i}", Tier.DEFAULT, 100, 16, 0.0, tenant="a"))
+    for i in range(3):
+        g.submit(Pending(f"b{i}", Tier.DEFAULT, 100, 16, 0.0, tenant="b"))
+    order = []
+    while g.num_queued:
+        out, _ = g.release(float(len(order)))
+        for p, _ in out:
+            order.append(p.request_id)
+            g.finished(p, float(len(order)))
+    assert max(order.index(f"b{i}") for i in range(3)) < 8, order
+    a_order = [x for x in order if x.startswith("a")]
+    assert a_order == [f"a{i}" for i in range(30)]
+
+
+def test_overdue_flex_requests_are_refused_wherever_they_sit_in_fair_order():
+    g = gateway(n=1, seqs=1, reserved_priority_seqs=0, flex_max_wait_s=5.0)
+    g.replicas[0].healthy = False  # down: nothing is released
+    g.submit(Pending("old", Tier.FLEX, 100, 16, 0.0, tenant="a"))
+    g.submit(Pending("a2", Tier.FLEX, 100, 16, 4.0, tenant="a"))
+    g.submit(Pending("b", Tier.FLEX, 100, 16, 4.0, tenant="b"))
+    _, refused = g.release(6.0)
+    assert [p.request_id for p in refused] == ["old"]
+    assert [p.request_id for p in g.queues[Tier.FLEX]] == ["b", "a2"]

@@ -22,10 +22,12 @@ and a preempted request keeps its place as before.
 
 from collections import defaultdict
 
-from tierserve.core.request import Request
-
 
 class FairShare:
+    """Start tags of one engine's (or one gateway's) tiers. Callers pass plain values, so
+    the scheduler (core.request.Request) and fleet mode's gateway (router.flow.Pending)
+    share it."""
+
     def __init__(self):
         self._virtual: defaultdict[int, float] = defaultdict(float)
         """Tier -> virtual time: the largest start tag dispatched in that tier."""
@@ -33,31 +35,24 @@ class FairShare:
         """(tier, tenant) -> finish tag of the tenant's latest request in that tier."""
         self._last_start: dict[tuple[int, str], float] = {}
 
-    @staticmethod
-    def estimate(request: Request) -> int:
-        return request.num_prompt_tokens + request.max_tokens
-
-    def tag(self, request: Request) -> None:
-        """Give an arriving request its start tag."""
-        flow = (int(request.tier), request.owner.tenant)
-        start = max(self._virtual[int(request.tier)], self._finish.get(flow, 0.0))
-        request.fair_tag = start
-        self._finish[flow] = start + self.estimate(request) / request.owner.weight
+    def tag(self, tier: int, tenant: str, weight: float, cost: float) -> float:
+        """The start tag of an arriving request of `cost` tokens (estimated)."""
+        flow = (tier, tenant)
+        start = max(self._virtual[tier], self._finish.get(flow, 0.0))
+        self._finish[flow] = start + cost / weight
         self._last_start[flow] = start
+        return start
 
-    def dispatched(self, request: Request) -> None:
+    def dispatched(self, tier: int, tag: float) -> None:
         """A request is scheduled for the first time: the tier's virtual time moves on."""
-        tier = int(request.tier)
-        if request.fair_tag > self._virtual[tier]:
-            self._virtual[tier] = request.fair_tag
+        if tag > self._virtual[tier]:
+            self._virtual[tier] = tag
 
-    def finished(self, request: Request) -> None:
-        """Correct the tenant's finish tag from the estimate to the tokens really computed
-        (never below a tag already given out, so a tenant's requests stay in order)."""
-        flow = (int(request.tier), request.owner.tenant)
-        if flow not in self._finish:
-            return
-        unused = self.estimate(request) - request.num_tokens
-        if unused > 0:
-            self._finish[flow] = max(self._finish[flow] - unused / request.owner.weight,
+    def finished(self, tier: int, tenant: str, weight: float, unused: float) -> None:
+        """Correct the tenant's finish tag by the tokens its request was charged for but
+        did not use (never below a tag already given out, so its requests stay in
+        order)."""
+        flow = (tier, tenant)
+        if unused > 0 and flow in self._finish:
+            self._finish[flow] = max(self._finish[flow] - unused / weight,
                                      self._last_start[flow])

@@ -178,7 +178,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         request.arrival_seq = self._arrivals
         self._arrivals += 1
-        self.fair.tag(request)
+        request.fair_tag = self.fair.tag(int(request.tier), request.owner.tenant,
+                                         request.owner.weight,
+                                         request.num_prompt_tokens + request.max_tokens)
         self.requests[request.request_id] = request
         self._num_priority += request.tier == Tier.PRIORITY
         if request.num_prompt_tokens >= self.max_len(request.tier):
@@ -197,7 +199,8 @@ class Scheduler:
         if request is None:
             return None
         self._num_priority -= request.tier == Tier.PRIORITY
-        self.fair.finished(request)
+        self.fair.finished(int(request.tier), request.owner.tenant, request.owner.weight,
+                           request.num_prompt_tokens + request.max_tokens - request.num_tokens)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
@@ -280,7 +283,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-                self.fair.dispatched(request)
+                self.fair.dispatched(int(request.tier), request.fair_tag)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._add(request, num_new, step)

@@ -147,12 +147,13 @@ class FleetBackend:
         n = len(tokens) if tokens is not None else \
             max(1, len(self._text(prompt)) // CHARS_PER_TOKEN)
         max_tokens = params.max_tokens or 256
+        owner = owner or NO_OWNER
         pending = Pending(rid, tier, n, max_tokens, now,
-                          prefix_keys(tokens if tokens is not None else self._text(prompt)))
+                          prefix_keys(tokens if tokens is not None else self._text(prompt)),
+                          tenant=owner.tenant, weight=owner.weight)
         stats = RequestStats(rid, now, tier=tier.label, served_tier=tier.label,
                              num_prompt_tokens=n)
-        self._requests[rid] = _Request(pending, prompt, params, priority, stats,
-                                       owner or NO_OWNER)
+        self._requests[rid] = _Request(pending, prompt, params, priority, stats, owner)
         self.gateway.submit(pending)
         self._wake.set()
         return rid

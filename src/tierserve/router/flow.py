@@ -42,6 +42,7 @@ import itertools
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from tierserve.core.fair import FairShare
 from tierserve.core.request import Tier
 from tierserve.errors import ConfigError
 
@@ -99,6 +100,10 @@ class Pending:
     first_token: float | None = None
     excluded: set = field(default_factory=set)
     """Replicas not to use again (a retry after a failure)."""
+    tenant: str = ""
+    weight: float = 1.0
+    fair_tag: float = 0.0
+    """Start tag in its tier's fair queue (core/fair.py): tenants share a tier by weight."""
 
 
 @dataclass(eq=False)
@@ -154,6 +159,8 @@ class Gateway:
         for r in replicas:
             r.limit = self.cap(r)
         self.queues: dict[Tier, deque[Pending]] = {t: deque() for t in Tier}
+        """Per tier, in fair order (start tag, then arrival): as the engine's scheduler."""
+        self.fair = FairShare()
         self._turn = itertools.count()
         self._next = 0  # round-robin routing: the replica to try first
 
@@ -163,7 +170,13 @@ class Gateway:
                    replica.max_num_seqs - self.config.reserved_priority_seqs)
 
     def submit(self, request: Pending) -> None:
-        self.queues[request.tier].append(request)
+        request.fair_tag = self.fair.tag(int(request.tier), request.tenant, request.weight,
+                                         request.prompt_tokens + request.max_tokens)
+        queue = self.queues[request.tier]
+        i = len(queue)
+        while i and queue[i - 1].fair_tag > request.fair_tag:  # mostly at the end: O(1)
+            i -= 1
+        queue.insert(i, request)
 
     def remove(self, request: Pending) -> bool:
         """Take a request out of its queue (aborted before release)."""
@@ -190,15 +203,19 @@ class Gateway:
                 if replica is None:
                     break  # FIFO within a tier: the head waits, so does the rest
                 queue.popleft()
+                self.fair.dispatched(int(tier), request.fair_tag)
                 self.sent(request, replica, now)
                 out.append((request, replica))
         self._probe(now)
         return out, refused
 
     def _refuse_overdue(self, now: float) -> list[Pending]:
-        queue, refused = self.queues[Tier.FLEX], []
-        while queue and now - queue[0].arrival > self.config.flex_max_wait_s:
-            refused.append(queue.popleft())
+        queue = self.queues[Tier.FLEX]  # in fair order, not arrival: look at each
+        limit = self.config.flex_max_wait_s
+        if not queue or all(now - p.arrival <= limit for p in queue):
+            return []
+        refused = [p for p in queue if now - p.arrival > limit]
+        self.queues[Tier.FLEX] = deque(p for p in queue if now - p.arrival <= limit)
         return refused
 
     # -------------------------------------------------------------- routing
