@@ -40,7 +40,7 @@ def error_response(exc: Exception) -> JSONResponse:
     for etype, status, otype in ERRORS:
         if isinstance(exc, etype):
             code = getattr(exc, "code", None) or _DEFAULT_CODES.get(status)
-            headers = ({"Retry-After": str(exc.retry_after_s)}
+            headers = ({**exc.headers, "Retry-After": str(exc.retry_after_s)}
                        if isinstance(exc, OverloadedError) else None)
             body = fmt.error_body(str(exc), otype, getattr(exc, "param", None), code)
             return JSONResponse(body, status_code=status, headers=headers)

@@ -7,9 +7,17 @@ NOTE: no field is ignored
     with the value that asks for nothing (`audio: null`, `store: false`, `best_of: 1`)
     and is otherwise a 400 saying it is not supported. Field objects are shared by chat
     and completions so the two never drift apart.
+
+NOTE: no value the engine cannot take
+    An integer past what the engine holds (torch.long), or a string that is not Unicode
+    (JSON's `"\\ud800"` decodes to a lone surrogate that no tokenizer, database or JSON
+    response can encode), is a 400 here rather than a 500 from deep inside. Where the
+    engine checks a value itself (a token id against the vocabulary, a prompt's length),
+    the OpenAPI document still states the static part of the rule, so that a client or a
+    fuzzer built from it sends what is accepted.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -40,7 +48,58 @@ NOT_SUPPORTED: dict[str, tuple[Any, str]] = {
 """OpenAI fields this server does not implement."""
 
 
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1
+"""The largest token id a tokenizer holds (int32); past the model's vocabulary but below
+this, the engine answers the 400 (it knows the vocabulary)."""
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+_TOKENS = {"type": "array", "minItems": 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": TOKEN_ID_MAX}}
+PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _TOKENS,
+                           {"type": "array", "minItems": 1,
+                            "items": {"type": "string", "minLength": 1}},
+                           {"type": "array", "minItems": 1, "items": _TOKENS}]}
+"""A prompt as documented: not empty (completions.prompts says so with a clearer message
+than pydantic's union errors would)."""
+
+
+def not_unicode(value: Any, path: tuple = ()) -> str | None:
+    """The path (`a.0.b`) of the first string, key or value, in `value` that is not valid
+    Unicode; None if all are."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return ".".join(map(str, path)) or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = not_unicode(key, path) or not_unicode(item, (*path, key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := not_unicode(item, (*path, i)):
+                return found
+    return None
+
+
+class UnicodeBody(BaseModel):
+    """A request body whose strings must all be valid Unicode (see the module's note)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data: Any) -> Any:
+        if (param := not_unicode(data)) is not None:
+            raise InvalidRequestError(f"{param}: a string is not valid Unicode (a lone "
+                                      "surrogate escape such as \\ud800)", param=param)
+        return data
+
+
 class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _StrictBody(UnicodeBody):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -49,7 +108,7 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Literal[False] = False
 
 
-class _Request(_Strict):
+class _Request(_StrictBody):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -59,7 +118,7 @@ class _Request(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None
     user: str | None = None
     """Recorded in the ledger's tags, as `user`."""
@@ -68,16 +127,20 @@ class _Request(_Strict):
     metadata: dict[str, str] | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": "^[0-9]{1,9}$"}})
     # vLLM-style extras
-    priority: int = 0
-    top_k: int | None = Field(None, ge=-1)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    """vLLM's field: requests share cached prefix blocks only when their tenant's cache
+    group and this salt are equal."""
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict | None = None
     guided_json: dict | str | None = None
@@ -173,7 +236,8 @@ class Tool(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, json_schema_extra={"maxLength": 0})
+    """Not supported: only an empty name is accepted."""
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
@@ -236,7 +300,8 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        json_schema_extra=lambda schema: schema.update(PROMPT_SCHEMA))
     echo: bool = False
     """The prompt's text ahead of each choice's text."""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -249,12 +314,23 @@ class CompletionRequest(_Request):
                                       code="unsupported_parameter")
         return self
 
+    @model_validator(mode="after")
+    def _token_ids_in_range(self):
+        """Before `echo` decodes them, which a tokenizer cannot do past int32."""
+        p = self.prompt
+        if isinstance(p, list):
+            ids = [p] if p and isinstance(p[0], int) else [x for x in p if isinstance(x, list)]
+            if any(not 0 <= t <= TOKEN_ID_MAX for x in ids for t in x):
+                raise InvalidRequestError(f"prompt token ids must be integers in "
+                                          f"[0, {TOKEN_ID_MAX}]", param="prompt")
+        return self
+
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_StrictBody):
     """vLLM's /tokenize: a text, or a chat rendered with the model's template."""
 
     model: str
@@ -270,6 +346,6 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_StrictBody):
     model: str
     tokens: list[int]
