@@ -92,8 +92,10 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
     params = [body.sampling_params(i) for i in range(body.n)]
     worst = [(p, worst_case_tokens(backend, p, sp)) for p in prompts for sp in params]
     ids = [f"{rid}-{i}" if i else rid for i in range(len(worst))]
-    tokens = sum(a + b for _, (a, b) in worst)
-    headers = state.limiter.take(tenant.name, 1, tokens)
+    tokens = sum(a + b for _, (a, b) in worst) if queue_limit else 0
+    # Batch lines (queue_limit off) skip the per-minute limits: a 429 would fail the line
+    # for good, and the batch runner already bounds how many run at once.
+    headers = state.limiter.take(tenant.name, 1 if queue_limit else 0, tokens)
     prices = state.recorder.prices
     try:
         state.recorder.reserve(tenant.name, [
@@ -105,7 +107,7 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
                 state.recorder.forget(i)
             raise
     except Exception:
-        state.limiter.give_back(tenant.name, 1, tokens)
+        state.limiter.give_back(tenant.name, 1 if queue_limit else 0, tokens)
         raise
     run = ChoiceRun(state, backend, served, expected=len(worst))
     run.headers = headers
