@@ -97,8 +97,12 @@ def test_openai_client_runs_a_50_line_batch(server):
     server.wait_idle()
     time.sleep(0.6)  # the ledger commits every 0.25 s
     db = connect(server.root / "ledger.db")
-    rows = db.execute("SELECT tier_served, tenant, charge, output_tokens FROM requests WHERE "
-                      "json_extract(tags, '$.batch_id') = ?", (batch.id,)).fetchall()
+    rows = db.execute("SELECT tier_served, tenant, charge, output_tokens, request_id FROM "
+                      "requests WHERE json_extract(tags, '$.batch_id') = ?",
+                      (batch.id,)).fetchall()
+    # one request id per line: its ledger row, its output line and its response
+    assert {r[4] for r in rows} == {x["id"] for x in out} == \
+        {x["response"]["request_id"] for x in out} == {x["response"]["body"]["id"] for x in out}
     assert len(rows) == 50 and {r[0] for r in rows} == {"batch"} and {r[1] for r in rows} == \
         {"team-a"}
     assert sum(r[3] for r in rows) == total_out

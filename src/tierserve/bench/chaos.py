@@ -8,8 +8,8 @@ SIGKILL at a seeded moment of a seeded kind:
 - mid-batch: the batch has lines done and lines in flight, after up to 0.3 s more;
 - mid-commit: a burst of short whole requests, half of them answered, after up to one
   ledger commit interval (0.25 s);
-- mid-migration: start-up against a fresh copy of an old-schema ledger (every migration
-  but the last, `--old-rows` rows so that the last one takes a while) and batch store,
+- mid-migration: start-up against a fresh copy of an old-schema ledger (its first three
+  migrations, `--old-rows` rows so that the next ones take a while) and batch store,
   within 0.5 s of the server opening the ledger (its -wal file appearing: the imports
   before that take seconds, so 0.5 s after the spawn would kill before any migration).
 
@@ -48,6 +48,7 @@ from tierserve.bench.loopback import (CONFIG, FINAL, KEYS, MODEL, TIERS, batch_s
 
 KINDS = ("mid-stream", "mid-batch", "mid-commit", "mid-migration")
 COMMIT_INTERVAL_S = 0.25
+OLD_LEDGER_MIGRATIONS = 3
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -252,13 +253,14 @@ def check_ledger(rows: list[tuple], outcomes: list, killed_at: float,
 
 # ------------------------------------------------------------------- rounds
 def old_schema(folder: str, rows: int) -> None:
-    """A ledger at every migration but the last, with `rows` rows, and a batch store at
-    every migration but its last: what an older tierserve left."""
+    """A ledger at the schema of tierserve before issue 16 (its first three migrations:
+    then m004 builds a unique index over `rows` rows, which takes a while to kill in),
+    and a batch store at every migration but its last: what an older tierserve left."""
     from tierserve import db as database
     from tierserve.batch import store
     from tierserve.metering import ledger as ledger_db
 
-    db = database.connect(os.path.join(folder, "ledger.db"), ledger_db.MIGRATIONS[:-1])
+    db = database.connect(os.path.join(folder, "ledger.db"), ledger_db.MIGRATIONS[:OLD_LEDGER_MIGRATIONS])
     cols = ("time, request_id, tenant, model, tier_requested, tier_served, prompt_tokens, "
             "cached_tokens, output_tokens, prefill_cost, decode_cost, charge, finish_reason")
     now = time.time()
