@@ -23,6 +23,7 @@ read more safely in one place than split.
 """
 
 import asyncio
+import hashlib
 import itertools
 import logging
 from collections import deque
@@ -320,8 +321,10 @@ class FleetBackend:
             body["logit_bias"] = {str(k): v for k, v in p.logit_bias.items()}
         if p.grammar is not None:
             body["structured_outputs"] = p.grammar.to_vllm()
-        if req.owner.cache_salt is not None:  # vLLM keys its prefix cache by it too
-            body["cache_salt"] = req.owner.cache_salt
+        if req.owner.cache_salt is not None:  # vLLM keys its prefix cache by it too; as a
+            # digest: vLLM takes at most 128 characters and no @ / \ NUL, and a replica
+            # need not learn tenant names
+            body["cache_salt"] = hashlib.sha256(req.owner.cache_salt.encode()).hexdigest()
         if isinstance(req.prompt, Chat):
             path, body["messages"] = "/v1/chat/completions", req.prompt.messages
         else:
