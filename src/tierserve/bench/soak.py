@@ -160,7 +160,9 @@ def window_figures(t0: float, span_s: float, n: int, outcomes: list, samples: li
             and window(o.end) == w] for w in ends]
     ttft = [[o.ttft for o in outcomes if o.ttft is not None and window(o.end) == w]
             for w in ends]
+    by_window = [[s[1] for s in samples if window(s[0]) == w and s[1]] for w in range(n)]
     return {"rss": tuple(sum(x) / len(x) if x else float("nan") for x in rss),
+            "rss_by_window": [round(sum(x) / len(x)) if x else None for x in by_window],
             "e2e_p99": tuple(pct(x, 99) for x in e2e),
             "ttft_p99": tuple(pct(x, 99) for x in ttft),
             "n": tuple(len(a) + len(b) for a, b in zip(e2e, ttft))}
@@ -206,8 +208,8 @@ def run(args) -> None:
           f"{len(unfinished)}); samples {len(samples)}; window requests first/last "
           f"{w['n'][0]}/{w['n'][1]}; clean stop {clean}, then {after['rows']} ledger rows, "
           f"{len(after['missing'])} answered ids missing; missing when idle (first 3) "
-          f"{at_idle['missing'][:3]}, duplicate ids {at_idle['duplicate_ids'][:3]}",
-          flush=True)
+          f"{at_idle['missing'][:3]}, duplicate ids {at_idle['duplicate_ids'][:3]}; rss MB "
+          f"by window {w['rss_by_window']}", flush=True)
     m, (up, uo), (lp, lo) = at_idle, at_idle["usage_tokens"], at_idle["ledger_tokens"]
     kv = (f"kv blocks in use when idle {leaked:.0f} (peak {peak:.0f})" if leaked is not None
           else f"kv blocks in use: no gauge (kv usage ratio when idle "
