@@ -84,7 +84,7 @@ def get_engine(**kwargs):
 
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("priority_step_time_s", 0)  # no cap, no calibration unless asked
-    key = tuple(sorted(kwargs.items()))
+    key = repr(sorted(kwargs.items()))  # repr: values may be dicts (slo)
     if key not in _ENGINES:
         _ENGINES[key] = LLMEngine(engine_config(**kwargs))
     return _ENGINES[key]

@@ -45,6 +45,12 @@ class TierNotAllowedError(TierserveError):
     """The key may not use the requested tier and the server is configured strict."""
 
 
+class PermissionDeniedError(TierserveError):
+    """This server will not let the caller do this (403)."""
+
+    code = "permission_denied"
+
+
 class NotFoundError(TierserveError):
     """Unknown model, file, batch or route."""
 

@@ -199,6 +199,14 @@ class BatchStore:
             f"SELECT * FROM batches WHERE status IN ({','.join('?' * len(ACTIVE))}) "
             "ORDER BY created_at, id", ACTIVE).fetchall()
 
+    def recent(self, limit: int = 20) -> list[dict]:
+        """Every tenant's batches, active ones first, then the newest (the dashboard)."""
+        rows = self.db.execute(
+            f"SELECT * FROM batches ORDER BY CASE WHEN status IN "
+            f"({','.join('?' * len(ACTIVE))}) THEN 0 ELSE 1 END, created_at DESC, id DESC "
+            "LIMIT ?", (*ACTIVE, limit)).fetchall()
+        return [dict(batch_object(r), tenant=r["tenant"]) for r in rows]
+
     # ---------------------------------------------------------------- lines
     def pending(self, batch_id: str) -> list[int]:
         return [r[0] for r in self.db.execute(

@@ -33,6 +33,9 @@ class StepStats:
     """Fraction of KV blocks in use after the step."""
     num_waiting: int
     seqs: list[SeqStepStats] = field(default_factory=list)
+    engine: str = "0"
+    """Which engine stepped (`fast` or `main` in the dedicated deployment), as vLLM's
+    `engine` label."""
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +96,8 @@ class RequestStats:
     """Machine cost, from the engine core's metering when the request finishes."""
     charge: float | None = None
     """What the tenant is charged (USD), from the same bill."""
+    engine: str = "0"
+    """The engine (dedicated deployment) or replica (fleet mode) that served it."""
 
     @property
     def billed_tier(self) -> str:

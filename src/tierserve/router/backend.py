@@ -78,6 +78,12 @@ class Backend(Protocol):
     def load(self) -> Load:
         ...
 
+    def units(self) -> list[dict]:
+        """Each engine or replica: name, kind (`engine`/`replica`), healthy, running,
+        waiting, max_num_seqs, kv_usage (None where unknown). /metrics and the dashboard
+        read it."""
+        ...
+
     def meter(self, recorder, price_per_hour: float, sink) -> None:
         """Price every request it runs through `recorder` (and tell `sink`, a
         core.stats.StatSink, of each step and finished request)."""

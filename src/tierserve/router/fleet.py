@@ -182,6 +182,13 @@ class FleetBackend:
         kv = [r.kv_usage for r in self.gateway.replicas if r.kv_usage is not None]
         return Load(running, waiting, max(kv) if kv else None)
 
+    def units(self) -> list[dict]:
+        """Each replica's load and health, for the dashboard."""
+        return [{"name": r.name, "kind": "replica", "healthy": r.healthy,
+                 "running": r.num_in_flight, "waiting": r.num_waiting or 0,
+                 "max_num_seqs": r.max_num_seqs, "kv_usage": r.kv_usage}
+                for r in self.gateway.replicas]
+
     def meter(self, recorder, price_per_hour: float, sink) -> None:
         from tierserve.metering.prices import machine_price
 
@@ -260,6 +267,7 @@ class FleetBackend:
         now = self.clock.now()
         if stats.first_scheduled_time is None:
             stats.first_scheduled_time = now
+        stats.engine = replica.name  # the last replica tried is the one that served it
         if meter is not None:
             meter.start(rid, now, stats.num_prompt_tokens)
         path, body = self._upstream(req, spec)

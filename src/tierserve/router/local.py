@@ -66,9 +66,54 @@ class LocalBackend:
             reserved = 1.0 if part is not self.deployment.engines[-1] else \
                 sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
             recorder.attach(part.engine, price_per_hour, reserved)
-            part.engine.add_sink(sink)
+            part.engine.add_sink(_Labelled(sink, self.engine_label(part)))
+
+    def engine_label(self, part: AsyncEngine) -> str:
+        """vLLM's `engine` label: "0" for the one engine; `fast` and `main` for the
+        dedicated pair."""
+        if not isinstance(self.deployment, DedicatedEngines):
+            return "0"
+        return "fast" if part is self.deployment.fast else "main"
+
+    def units(self) -> list[dict]:
+        """Each engine's load, for the dashboard."""
+        out = []
+        for part in self.deployment.engines:
+            engine = part.engine
+            sched = engine.scheduler
+            running = sum(1 for r in list(sched.requests.values())
+                          if r.status == RequestStatus.RUNNING)
+            out.append({"name": self.engine_label(part), "kind": "engine",
+                        "healthy": part.errored is None, "running": running,
+                        "waiting": len(sched.requests) - running,
+                        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+                        "kv_usage": engine.block_manager.usage})
+        return out
 
     async def stop(self) -> None:
         await self.deployment.stop()
         for part in self.deployment.engines:  # the engine may outlive a server (tests)
-            part.engine.remove_sink(self._sink)
+            part.engine.remove_sink(_Labelled(self._sink, self.engine_label(part)))
+
+
+class _Labelled:
+    """A sink that tags each step and request with the engine it came from. Equal when
+    the sink and label are, so `remove_sink` finds the one `add_sink` was given."""
+
+    def __init__(self, sink, label: str):
+        self.sink, self.label = sink, label
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Labelled) and (other.sink, other.label) == \
+            (self.sink, self.label)
+
+    def __hash__(self) -> int:
+        return hash((id(self.sink), self.label))
+
+    def on_step(self, stats) -> None:
+        stats.engine = self.label
+        self.sink.on_step(stats)
+
+    def on_request_finished(self, stats) -> None:
+        stats.engine = self.label
+        self.sink.on_request_finished(stats)

@@ -27,7 +27,7 @@ from tierserve.metering.recorder import Recorder
 from tierserve.router.backend import Backend
 from tierserve.router.dedicated import DedicatedEngines
 from tierserve.router.local import LocalBackend
-from tierserve.server import admin, completions
+from tierserve.server import admin, completions, dashboard
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
@@ -37,6 +37,7 @@ from tierserve.server.metrics import Metrics
 from tierserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
 from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant, resolve_tier
+from tierserve.server.timeline import Timeline
 
 
 class ServerState:
@@ -47,6 +48,7 @@ class ServerState:
         self.settings = settings
         self.model_name = model_name
         self.metrics = Metrics(model_name)
+        self.timeline = Timeline()
         self.recorder = Recorder(model_name, settings.prices,
                                  Ledger(settings.ledger_target)
                                  if settings.ledger_target else None,
@@ -70,10 +72,12 @@ class ServerState:
     # StatSink: after metering, so the stats carry their cost and charge
     def on_step(self, stats) -> None:
         self.metrics.on_step(stats)
+        self.timeline.on_step(stats)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.metrics.observe_request(stats.billed_tier, stats)
         self.metrics.observe_cost(stats.billed_tier, stats)
+        self.timeline.on_request_finished(stats)
 
     def ready(self) -> Backend:
         if self.backend is None:
@@ -135,8 +139,8 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with batch_routes.running(state):  # stopped first: its lines abort cleanly
-            yield
+        async with dashboard.sampling(state), batch_routes.running(state):
+            yield  # batches stop first: their lines abort cleanly
         if state.backend is not None:
             await state.backend.stop()
         state.recorder.close()
@@ -157,6 +161,7 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
     _add_error_handlers(app)
     batch_routes.register(app, state)
     admin.register(app, state)
+    dashboard.register(app, state)
     state.metrics.registry.register(admin.SpendCollector(state))
 
     @app.get("/health")
@@ -213,7 +218,8 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
     @app.get("/metrics")
     async def metrics():
         if state.admission is not None:
-            state.metrics.set_queue_gauges(state.admission.queued, state.admission.running)
+            state.metrics.set_queue_gauges(state.admission.queued, state.admission.running,
+                                           state.backend.units())
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

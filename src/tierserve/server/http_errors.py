@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 
 from tierserve.errors import (AuthenticationError, ConflictError, ContextLengthError,
                               InvalidRequestError, NotFoundError, OverloadedError,
-                              ReplicaUnavailableError, RequestTooLargeError,
+                              PermissionDeniedError, ReplicaUnavailableError, RequestTooLargeError,
                               TierNotAllowedError, UpstreamError)
 from tierserve.server import openai_format as fmt
 
@@ -16,6 +16,7 @@ ERRORS: list[tuple[type[Exception], int, str]] = [
     (InvalidRequestError, 400, "invalid_request_error"),
     (AuthenticationError, 401, "invalid_request_error"),
     (TierNotAllowedError, 403, "permission_error"),
+    (PermissionDeniedError, 403, "permission_error"),
     (NotFoundError, 404, "invalid_request_error"),
     (ConflictError, 409, "invalid_request_error"),
     (RequestTooLargeError, 413, "invalid_request_error"),

@@ -1,16 +1,22 @@
-"""Prometheus metrics: base units, `tierserve_` prefix, `tier` and `model` labels only.
+"""Prometheus metrics: base units, `tierserve_` prefix, `tier` and `model` labels (and
+`engine` on step figures: `fast` or `main` in the dedicated deployment).
 
 Step-level figures come from the engine's StepStats (`on_step`); request-level figures
 are observed with the tier a request was served in (`observe_request`), which only the
-server knows. Each app has its own registry.
+server knows. The series vLLM also has are exported under vLLM's names as well
+(server/metrics_vllm.py). Each app has its own registry.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tierserve.core.stats import RequestStats, StepStats
+from tierserve.server.metrics_vllm import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0, 120.0)
+_WAIT_BUCKETS = _LATENCY_BUCKETS + (300.0, 600.0, 1800.0, 3600.0, 7200.0, 14400.0,
+                                    43200.0, 86400.0)
+"""Queue and end-to-end times: a batch line may wait hours for idle capacity."""
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -18,7 +24,7 @@ class Metrics:
     def __init__(self, model: str, slo: dict | None = None):
         """`slo`: tier -> config.SLO, for SLO attainment counters."""
         self.model = model
-        self.slo = dict(slo or {})
+        self._slo = dict(slo or {})
         self.registry = r = CollectorRegistry()
         tm = ["tier", "model"]
 
@@ -27,8 +33,10 @@ class Metrics:
 
         self.ttft = hist("tierserve_time_to_first_token_seconds", "Arrival to first token.")
         self.itl = hist("tierserve_inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = hist("tierserve_e2e_request_latency_seconds", "Arrival to finish.")
-        self.queue = hist("tierserve_request_queue_time_seconds", "Arrival to first scheduling.")
+        self.e2e = hist("tierserve_e2e_request_latency_seconds", "Arrival to finish.",
+                        _WAIT_BUCKETS)
+        self.queue = hist("tierserve_request_queue_time_seconds", "Arrival to first scheduling.",
+                          _WAIT_BUCKETS)
         self.prefill = hist("tierserve_request_prefill_time_seconds",
                             "First scheduling to first token.")
         self.decode = hist("tierserve_request_decode_time_seconds", "First token to finish.")
@@ -47,7 +55,7 @@ class Metrics:
         self.waiting = Gauge("tierserve_requests_waiting", "Requests accepted, no token yet.",
                              tm, registry=r)
         self.kv_usage = Gauge("tierserve_kv_cache_usage_ratio", "Fraction of KV blocks in use.",
-                              ["model"], registry=r)
+                              ["model", "engine"], registry=r)
         self.kv_blocks_in_use = Gauge(
             "tierserve_kv_blocks_in_use", "KV blocks held by requests, read at each scrape "
             "(in-process engines; cached-but-free blocks count as free).", ["model"], registry=r)
@@ -60,12 +68,13 @@ class Metrics:
         self.slo_checked = Counter("tierserve_slo_checked_requests",
                                    "Finished requests of tiers with an SLO configured.", tm,
                                    registry=r)
+        step = ["model", "engine"]
         self.step_tokens = hist("tierserve_step_tokens", "Tokens per engine step.",
-                                buckets=_TOKEN_BUCKETS, labels=["model"])
+                                buckets=_TOKEN_BUCKETS, labels=step)
         self.step_seqs = hist("tierserve_step_sequences", "Sequences per engine step (batch size).",
-                              buckets=_TOKEN_BUCKETS, labels=["model"])
+                              buckets=_TOKEN_BUCKETS, labels=step)
         self.step_time = hist("tierserve_step_duration_seconds", "Engine step time.",
-                              labels=["model"])
+                              labels=step)
 
         self.machine_cost = Counter("tierserve_machine_cost_usd",
                                     "Machine cost attributed to requests (USD).",
@@ -76,14 +85,32 @@ class Metrics:
                                  "Machine cost of time with no step running (USD); kind "
                                  "reserved: capacity held for the priority tier.",
                                  ["model", "kind"], registry=r)
+        self.vllm = VllmMetrics(r, model)
+        self.slo = self._slo
+        for kind in ("unreserved", "reserved"):  # a series from the start, not the first idle
+            self.idle_cost.labels(model, kind)
+
+    @property
+    def slo(self) -> dict:
+        return self._slo
+
+    @slo.setter
+    def slo(self, slo: dict) -> None:
+        """Tiers with an SLO get their attainment series at once (0 of 0), so dashboards
+        show the tier before its first request finishes."""
+        self._slo = dict(slo)
+        for tier in self._slo:
+            self.slo_met.labels(tier, self.model)
+            self.slo_checked.labels(tier, self.model)
 
     # StatSink ------------------------------------------------------------
     def on_step(self, s: StepStats) -> None:
-        m = self.model
-        self.kv_usage.labels(m).set(s.kv_usage)
-        self.step_tokens.labels(m).observe(s.num_tokens)
-        self.step_seqs.labels(m).observe(s.num_seqs)
-        self.step_time.labels(m).observe(s.duration_s)
+        labels = (self.model, s.engine)
+        self.kv_usage.labels(*labels).set(s.kv_usage)
+        self.step_tokens.labels(*labels).observe(s.num_tokens)
+        self.step_seqs.labels(*labels).observe(s.num_seqs)
+        self.step_time.labels(*labels).observe(s.duration_s)
+        self.vllm.on_step(s)
 
     def watch_block_managers(self, managers: list) -> None:
         """Read `tierserve_kv_blocks_in_use` off these block managers at each scrape: the
@@ -114,6 +141,7 @@ class Metrics:
             if s.meets(slo.ttft_s, slo.tpot_s):
                 self.slo_met.labels(*labels).inc()
         self.finished.labels(*labels, s.finish_reason or "error").inc()
+        self.vllm.observe_request(s)
 
     def observe_cost(self, tier: str, s: RequestStats) -> None:
         if s.cost is not None:
@@ -126,10 +154,12 @@ class Metrics:
         self.idle_cost.labels(self.model, "unreserved").inc(interval.cost)
         self.idle_cost.labels(self.model, "reserved").inc(interval.reserved_cost)
 
-    def set_queue_gauges(self, queued: dict, running: dict) -> None:
+    def set_queue_gauges(self, queued: dict, running: dict, units: list[dict] = ()) -> None:
+        """By tier (the server's admission), and by engine or replica (`units`)."""
         for tier in set(queued) | set(running):
             self.waiting.labels(tier, self.model).set(queued.get(tier, 0))
             self.running.labels(tier, self.model).set(running.get(tier, 0))
+        self.vllm.set_units(list(units))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
