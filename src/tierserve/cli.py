@@ -183,13 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="group by tenant, tier (default), model, size, or tag:KEY")
     bill.add_argument("--format", default="table", choices=["table", "json", "csv"])
     bill.add_argument("--plot", default=None, metavar="OUT.png",
-                      help="also draw cost per 1K tokens by tier and size, and the cost split")
+                      help="also draw cost per 1K output tokens of each --by group, and the "
+                           "cost split (needs matplotlib)")
+    bill.add_argument("--html", default=None, metavar="OUT.html",
+                      help="also write the bill, its findings and its plots as one "
+                           "self-contained HTML page (no external requests)")
     bill.set_defaults(func=cmd_bill)
 
     from tierserve.sim.cli import add_parsers as add_sim_parsers
     add_sim_parsers(sub)
     from tierserve.batch.cli import add_parsers as add_batch_parsers
     add_batch_parsers(sub)
+    from tierserve.route.cli import add_parsers as add_route_parsers
+    add_route_parsers(sub)
 
     cal = sub.add_parser("calibrate", help="measure this engine's step times and save the "
                                            "fitted step-time model (JSON)")
