@@ -16,7 +16,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 
 from tierserve.core.stats import percentile as pct
-from tierserve.errors import ConfigError
+from tierserve.errors import ConfigError, TierserveError
 from tierserve.metering.ledger import connect
 
 SIZES = ((64, "<64 out"), (256, "64-255 out"), (None, ">=256 out"))
@@ -156,9 +156,7 @@ def findings(rows: list[dict], totals: dict) -> list[str]:
 def render(summary: dict, fmt: str) -> str:
     if fmt == "json":
         return json.dumps(summary, indent=2)
-    by = summary["by"]
-    cols = [by, "requests", "prompt_tokens", "output_tokens", "machine_cost", "charge",
-            "cost_per_1k_output", "e2e_p50_s", "e2e_p99_s", "ttft_p50_s", "mean_batch_size"]
+    cols = columns(summary["by"])
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.DictWriter(buf, cols)
@@ -172,7 +170,7 @@ def render(summary: dict, fmt: str) -> str:
              f"priority ${t['reserved_idle_cost']:.6f}",
              f"charged ${t['charge']:.6f}; margin ${t['margin']:.6f}; {t['requests']} requests,"
              f" {t['output_tokens']} output tokens", ""]
-    cells = [[_fmt(g[c]) for c in cols] for g in summary["groups"]]
+    cells = [[fmt_value(g[c]) for c in cols] for g in summary["groups"]]
     widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
               for i, c in enumerate(cols)]
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
@@ -182,7 +180,13 @@ def render(summary: dict, fmt: str) -> str:
     return "\n".join(lines)
 
 
-def _fmt(v) -> str:
+def columns(by: str) -> list[str]:
+    """The columns of a group's row, in the order the table and the CSV show them."""
+    return [by, "requests", "prompt_tokens", "output_tokens", "machine_cost", "charge",
+            "cost_per_1k_output", "e2e_p50_s", "e2e_p99_s", "ttft_p50_s", "mean_batch_size"]
+
+
+def fmt_value(v) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -190,40 +194,59 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def plot(rows: list[dict], summary: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def figure(summary: dict):
+    """Cost per 1K output tokens of each group of the summary (its `--by`), and the
+    machine cost split. Raises ImportError where matplotlib is not installed (it is an
+    optional extra, needed only here)."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no backend
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    cells = defaultdict(lambda: [0.0, 0])
-    for r in rows:
-        c = cells[(r["tier_served"], r["size"])]
-        c[0] += r["machine_cost"]
-        c[1] += r["output_tokens"]
-    labels = [f"{tier}\n{size}" for tier, size in sorted(cells)]
-    values = [1000 * c / max(t, 1) for c, t in (cells[k] for k in sorted(cells))]
-    ax1.bar(labels, values, color="tab:blue")
+    groups, t = summary["groups"], summary["totals"]
+    fig = Figure(figsize=(max(12, 5 + 0.8 * len(groups)), 4.5))
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[max(1, len(groups) / 4), 1])
+    labels = [_plain(str(g[summary["by"]])) for g in groups]
+    ax1.bar(range(len(groups)), [g["cost_per_1k_output"] or 0.0 for g in groups],
+            color="tab:blue", tick_label=labels)
     ax1.set_ylabel("machine cost per 1K output tokens (USD)")
-    ax1.set_title("cost per 1K output tokens, by tier and size")
-    ax1.tick_params(axis="x", labelsize=8)
-    t = summary["totals"]
+    ax1.set_title(_plain(f"cost per 1K output tokens, by {summary['by']}"))
+    ax1.tick_params(axis="x", labelsize=8, labelrotation=30 if len(groups) > 6 else 0)
     parts = [("prefill", t["prefill_cost"]), ("decode", t["decode_cost"]),
              ("idle", t["idle_cost"]), ("idle held for priority", t["reserved_idle_cost"])]
     ax2.bar([p for p, _ in parts], [v for _, v in parts], color=["tab:orange", "tab:green",
                                                                  "tab:gray", "tab:red"])
     ax2.set_ylabel("USD")
-    ax2.set_title(f"machine cost ${t['machine_cost']:.4f}, charged ${t['charge']:.4f}")
+    ax2.set_title(_plain(f"machine cost ${t['machine_cost']:.4f}, "
+                         f"charged ${t['charge']:.4f}"))
     fig.tight_layout()
+    return fig
+
+
+def _plain(text: str) -> str:
+    # matplotlib reads text between two unescaped `$` as mathtext (italic math); every
+    # label here is plain text, and prices or tag values may carry dollar signs.
+    return text.replace("$", r"\$")
+
+
+def plot(summary: dict, path: str) -> None:
+    try:
+        fig = figure(summary)
+    except ImportError:
+        raise TierserveError("--plot needs matplotlib, which is not installed "
+                             "(pip install matplotlib)") from None
     fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
 
 
 def run(args) -> int:
     now = time.time()
-    rows, idle = load(args.ledger, parse_time(args.since, now), parse_time(args.until, now))
+    since, until = parse_time(args.since, now), parse_time(args.until, now)
+    rows, idle = load(args.ledger, since, until)
     summary = summarize(rows, idle, args.by)
     print(render(summary, args.format))
     if args.plot:
-        plot(rows, summary, args.plot)
+        plot(summary, args.plot)
+    if args.html:
+        from tierserve.metering.bill_html import render_html
+        page = render_html(summary, rows, idle, ledger=args.ledger, since=since,
+                           until=until, now=now)
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(page)
     return 0
