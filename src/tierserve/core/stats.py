@@ -36,6 +36,8 @@ class StepStats:
     engine: str = "0"
     """Which engine stepped (`fast` or `main` in the dedicated deployment), as vLLM's
     `engine` label."""
+    model: str | None = None
+    """The served model's name where a server serves several (None: its only one)."""
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +100,8 @@ class RequestStats:
     """What the tenant is charged (USD), from the same bill."""
     engine: str = "0"
     """The engine (dedicated deployment) or replica (fleet mode) that served it."""
+    model: str | None = None
+    """The served model's name where a server serves several (None: its only one)."""
 
     @property
     def billed_tier(self) -> str:

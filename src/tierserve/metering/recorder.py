@@ -57,6 +57,8 @@ class _Pending:
     tenant: str
     tier_requested: str
     tags: dict
+    model: str | None = None
+    """The served model (where a server serves several); None: the recorder's."""
 
 
 class EngineMetering:
@@ -109,8 +111,8 @@ class Recorder:
 
     # -------------------------------------------------------------- requests
     def register(self, request_id: str, tenant: str, tier_requested: str,
-                 tags: dict | None) -> None:
-        self._pending[request_id] = _Pending(tenant, tier_requested, dict(tags or {}))
+                 tags: dict | None, model: str | None = None) -> None:
+        self._pending[request_id] = _Pending(tenant, tier_requested, dict(tags or {}), model)
 
     def reserve(self, tenant: str, holds: list[tuple[str, float]]) -> None:
         """Admit requests of `tenant`, each (request id, worst-case charge in USD), or
@@ -202,7 +204,7 @@ class Recorder:
         finished = stats.finished_time if stats.finished_time is not None else time.monotonic()
         self.ledger.record(RequestRow(
             time=finished + self._unix_offset, request_id=stats.request_id,
-            tenant=pending.tenant, model=self.model, tier_requested=pending.tier_requested,
+            tenant=pending.tenant, model=pending.model or self.model, tier_requested=pending.tier_requested,
             tier_served=stats.billed_tier, prompt_tokens=stats.num_prompt_tokens,
             cached_tokens=stats.num_cached_tokens, output_tokens=stats.num_output_tokens,
             queue_s=stats.queue_s, prefill_s=stats.prefill_s, decode_s=stats.decode_s,

@@ -268,6 +268,7 @@ class FleetBackend:
         if stats.first_scheduled_time is None:
             stats.first_scheduled_time = now
         stats.engine = replica.name  # the last replica tried is the one that served it
+        stats.model = self.model_name
         if meter is not None:
             meter.start(rid, now, stats.num_prompt_tokens)
         path, body = self._upstream(req, spec)

@@ -12,8 +12,11 @@ from tierserve.sampling_params import SamplingParams
 
 
 class LocalBackend:
-    def __init__(self, deployment: AsyncEngine | DedicatedEngines):
+    def __init__(self, deployment: AsyncEngine | DedicatedEngines, name: str | None = None):
+        """`name`: the served model's, on every step and request (a server serving
+        several models tells them apart by it)."""
         self.deployment = deployment
+        self.name = name
         main = deployment.engine  # the batching engine stands for the deployment
         self.engine = main
         self.tokenizer = main.tokenizer
@@ -66,7 +69,7 @@ class LocalBackend:
             reserved = 1.0 if part is not self.deployment.engines[-1] else \
                 sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
             recorder.attach(part.engine, price_per_hour, reserved)
-            part.engine.add_sink(_Labelled(sink, self.engine_label(part)))
+            part.engine.add_sink(_Labelled(sink, self.engine_label(part), self.name))
 
     def engine_label(self, part: AsyncEngine) -> str:
         """vLLM's `engine` label: "0" for the one engine; `fast` and `main` for the
@@ -93,27 +96,27 @@ class LocalBackend:
     async def stop(self) -> None:
         await self.deployment.stop()
         for part in self.deployment.engines:  # the engine may outlive a server (tests)
-            part.engine.remove_sink(_Labelled(self._sink, self.engine_label(part)))
+            part.engine.remove_sink(_Labelled(self._sink, self.engine_label(part), self.name))
 
 
 class _Labelled:
     """A sink that tags each step and request with the engine it came from. Equal when
     the sink and label are, so `remove_sink` finds the one `add_sink` was given."""
 
-    def __init__(self, sink, label: str):
-        self.sink, self.label = sink, label
+    def __init__(self, sink, label: str, model: str | None):
+        self.sink, self.label, self.model = sink, label, model
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, _Labelled) and (other.sink, other.label) == \
-            (self.sink, self.label)
+        return isinstance(other, _Labelled) and (other.sink, other.label, other.model) == \
+            (self.sink, self.label, self.model)
 
     def __hash__(self) -> int:
-        return hash((id(self.sink), self.label))
+        return hash((id(self.sink), self.label, self.model))
 
     def on_step(self, stats) -> None:
-        stats.engine = self.label
+        stats.engine, stats.model = self.label, self.model
         self.sink.on_step(stats)
 
     def on_request_finished(self, stats) -> None:
-        stats.engine = self.label
+        stats.engine, stats.model = self.label, self.model
         self.sink.on_request_finished(stats)

@@ -7,6 +7,7 @@ global. Errors are typed (`tierserve.errors`) and mapped to status codes once
 
 import contextlib
 import inspect
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +28,7 @@ from tierserve.metering.recorder import Recorder
 from tierserve.router.backend import Backend
 from tierserve.router.dedicated import DedicatedEngines
 from tierserve.router.local import LocalBackend
-from tierserve.server import admin, completions, dashboard
+from tierserve.server import admin, completions, dashboard, routing
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
@@ -40,9 +41,19 @@ from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant, resol
 from tierserve.server.timeline import Timeline
 
 
+@dataclass
+class Served:
+    """One model this server serves: its backend and its admission queues."""
+
+    name: str
+    backend: Backend
+    admission: Admission
+
+
 class ServerState:
     """Everything the routes share. The backend is attached once it is ready (the model
-    loaded, or the fleet's replicas known)."""
+    loaded, or the fleet's replicas known); a server serving several models (YAML
+    `models:`) attaches one per model, the main one first."""
 
     def __init__(self, settings: ServerSettings, model_name: str):
         self.settings = settings
@@ -57,17 +68,40 @@ class ServerState:
         self.tenants = TenantStore(self, settings.ledger_target)
         self.backend: Backend | None = None
         self.admission: Admission | None = None
+        """The main model's (the only one, unless YAML `models:` adds more)."""
+        self.served: dict[str, Served] = {}
+        self.routes = dict(settings.routes)
+        self.classifier = None
+        if settings.route_classifier:
+            from tierserve.route.classifier import Classifier
+            self.classifier = Classifier.load(settings.route_classifier)
         self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
             else None
 
-    def attach(self, backend: Backend) -> None:
+    def attach(self, backend: Backend, name: str | None = None) -> None:
+        """The main model's backend (`name` None), or another model's."""
         backend.meter(self.recorder, self.settings.price_per_hour, self)
+        admission = Admission(self.settings.queue_limits, backend.max_num_seqs)
+        self.served[name or self.model_name] = Served(name or self.model_name, backend,
+                                                      admission)
+        if name is not None:
+            return
         self.metrics.slo = dict(backend.slo)
         if isinstance(backend, LocalBackend):
             self.metrics.watch_block_managers([p.engine.block_manager
                                                for p in backend.deployment.engines])
-        self.admission = Admission(self.settings.queue_limits, backend.max_num_seqs)
+        self.admission = admission
         self.backend = backend
+
+    def target(self, model: str) -> Served:
+        """The served model called `model` (not an alias: see server/routing.py)."""
+        self.ready()
+        served = self.served.get(model)
+        if served is None:
+            raise NotFoundError(f"the model `{model}` does not exist; this server serves "
+                                f"{', '.join(f'`{m}`' for m in [*self.served, *self.routes])}",
+                                param="model")
+        return served
 
     # StatSink: after metering, so the stats carry their cost and charge
     def on_step(self, stats) -> None:
@@ -116,9 +150,11 @@ class ServerState:
         return tok
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model != self.model_name and model not in self.served and model not in self.routes:
+            names = [self.model_name, *(m for m in self.served if m != self.model_name),
+                     *self.routes]
             raise NotFoundError(f"the model `{model}` does not exist; this server serves "
-                                f"`{self.model_name}`", param="model")
+                                f"{', '.join(f'`{m}`' for m in names)}", param="model")
 
     def tier_for(self, requested: str | None, tenant: Tenant) -> Tier:
         """The tier this tenant's request runs in (parsed here, once, at the edge)."""
@@ -173,20 +209,26 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
                                 status_code=503)
         return {"status": "ok"}
 
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": 0, "owned_by": "tierserve",
-                "max_model_len": state.ready().max_model_len}
+    def model_card(name: str) -> dict:
+        state.ready()
+        if name in state.routes:  # an alias: its models are what it may answer with
+            return {"id": name, "object": "model", "created": 0, "owned_by": "tierserve",
+                    "routes_to": sorted(state.routes[name].models)}
+        served = state.served.get(name)
+        return {"id": name, "object": "model", "created": 0, "owned_by": "tierserve",
+                "max_model_len": (served.backend if served else state.backend).max_model_len}
 
     @app.get("/v1/models")
     async def models(request: Request):
         state.authenticate(request)
-        return {"object": "list", "data": [model_card()]}
+        names = [model_name, *(m for m in state.served if m != model_name), *state.routes]
+        return {"object": "list", "data": [model_card(m) for m in names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
         state.authenticate(request)
         state.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
 
     @app.get("/version")
     async def version():
@@ -217,9 +259,9 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
 
     @app.get("/metrics")
     async def metrics():
-        if state.admission is not None:
-            state.metrics.set_queue_gauges(state.admission.queued, state.admission.running,
-                                           state.backend.units())
+        for served in state.served.values():
+            state.metrics.set_queue_gauges(served.admission.queued, served.admission.running,
+                                           served.backend.units(), served.name)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
@@ -227,18 +269,27 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
         tenant = state.authenticate(request)
         state.ready()
         state.check_model(body.model)
-        return await completions.serve(state, "chat", body, completions.prompts(state, body),
-                                       tenant)
+        choice = routing.choose(state, body, tenant)
+        return await completions.serve(
+            state, "chat", body, completions.prompts(state, body, choice.served.backend),
+            tenant, choice, _wants_notice(request))
 
     @app.post("/v1/completions")
     async def text_completions(body: CompletionRequest, request: Request):
         tenant = state.authenticate(request)
         state.ready()
         state.check_model(body.model)
-        return await completions.serve(state, "completion", body,
-                                       completions.prompts(state, body), tenant)
+        choice = routing.choose(state, body, tenant)
+        return await completions.serve(
+            state, "completion", body, completions.prompts(state, body, choice.served.backend),
+            tenant, choice, _wants_notice(request))
 
     return app
+
+
+def _wants_notice(request: Request) -> bool:
+    """`x-tierserve-notice: 1`: a stream routed to a batched tier says so in an event."""
+    return request.headers.get("x-tierserve-notice", "").lower() in ("1", "true", "yes")
 
 
 class BodyLimit:

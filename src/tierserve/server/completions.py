@@ -15,16 +15,18 @@ from tierserve.server import openai_format as fmt
 from tierserve.server import tools
 from tierserve.server.http_errors import error_body, validation_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tierserve.server.settings import Tenant
+from tierserve.server.routing import Choice, choose
+from tierserve.server.settings import Tenant, resolve_tier
 
 KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
          "/v1/completions": ("completion", CompletionRequest)}
 """Endpoint -> (kind, request body model)."""
 
 
-def prompts(state, body: ChatCompletionRequest | CompletionRequest) -> list[Prompt]:
-    """The prompts of one request, as the backend takes them."""
-    backend = state.ready()
+def prompts(state, body: ChatCompletionRequest | CompletionRequest,
+            backend: Backend | None = None) -> list[Prompt]:
+    """The prompts of one request, as `backend` (default: the main model's) takes them."""
+    backend = backend or state.ready()
     if isinstance(body, ChatCompletionRequest):
         return [backend.prepare(Chat(tools.render(body)))]
     p = body.prompt
@@ -48,9 +50,10 @@ async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict,
         if body.stream:
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
         state.check_model(body.model)
-        found = prompts(state, body)
+        choice = choose(state, body, tenant)
+        found = prompts(state, body, choice.served.backend)
         run, tier = await start(state, body, found, tenant, rid, tier=Tier.BATCH, tags=tags,
-                                queue_limit=False)
+                                queue_limit=False, choice=choice)
         result, _ = await collect(state, run, kind, tier, body, found)
         return 200, result
     except TierserveError as exc:
@@ -77,17 +80,26 @@ def worst_case_tokens(backend: Backend, prompt: Prompt, params) -> tuple[int, in
 
 
 async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier | None = None,
-                tags: dict | None = None, queue_limit: bool = True) -> tuple["ChoiceRun", str]:
+                tags: dict | None = None, queue_limit: bool = True,
+                choice: Choice | None = None) -> tuple["ChoiceRun", str]:
     """Admit the request and add every choice to the backend; `tier` None: from the body.
     The first choice runs under the response's id `rid`, choice i under `rid-i`: the ledger
     row of a response is found by its id. Admission takes, in order: the tenant's rate
     limits, a reservation of its worst-case charge against its budget, a place in the
     tier's queue; a refusal at any of them gives back what was taken. Returns the run and
-    the tier that serves it; the run's `headers` carry the tenant's rate-limit state."""
+    the tier that serves it; the run's `headers` carry the tenant's rate-limit state.
+    `choice`: the served model and route (default: the main model, as asked)."""
     if body.n > state.settings.max_n:
         raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
-    backend = state.ready()
-    asked = tier if tier is not None else state.tier_for(body.service_tier, tenant)
+    state.ready()
+    choice = choice or Choice(state.target(state.model_name))
+    backend, admission = choice.served.backend, choice.served.admission
+    if tier is not None:
+        asked = tier
+    elif choice.tier is not None:  # the route's tier, or the nearest this tenant may use
+        asked = Tier.parse(resolve_tier(choice.tier, tenant) or choice.tier)
+    else:
+        asked = state.tier_for(body.service_tier, tenant)
     served = backend.served_tier(asked).label
     params = [body.sampling_params(i) for i in range(body.n)]
     worst = [(p, worst_case_tokens(backend, p, sp)) for p in prompts for sp in params]
@@ -101,7 +113,7 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
         state.recorder.reserve(tenant.name, [
             (i, prices.charge(served, a, 0, b)) for i, (_, (a, b)) in zip(ids, worst)])
         try:
-            state.admission.admit(served, len(worst), enforce=queue_limit)
+            admission.admit(served, len(worst), enforce=queue_limit)
         except Exception:
             for i in ids:
                 state.recorder.forget(i)
@@ -109,14 +121,20 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
     except Exception:
         state.limiter.give_back(tenant.name, 1 if queue_limit else 0, tokens)
         raise
-    run = ChoiceRun(state, backend, served, expected=len(worst))
+    run = ChoiceRun(state, backend, served, expected=len(worst), admission=admission)
     run.headers = headers
+    run.choice = choice
+    if choice.route is not None:
+        run.headers["x-tierserve-route"] = choice.header
     owner = tenant.owner(body.cache_salt)
+    several = len(state.served) > 1
+    route = {"route": choice.route} if choice.route is not None else {}
     try:
         for index, request_id in enumerate(ids):
             prompt, p = prompts[index // body.n], params[index % body.n]
             state.recorder.register(request_id, tenant.name, asked.label,
-                                    {**body.tags(), **(tags or {})})
+                                    {**body.tags(), **(tags or {}), **route},
+                                    choice.served.name if several else None)
             await run.add(prompt, p, asked, body.priority, request_id, owner)
     except Exception:
         for i in ids[len(run.request_ids):]:
@@ -140,13 +158,13 @@ async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
     outputs = [finals[i] for i in range(len(run.request_ids))]
     calls = [tools.parse_calls(o.outputs[0].text, body) for o in outputs] \
         if kind == "chat" else None
-    result = fmt.completion_body(kind, run.request_ids[0], state.model_name, tier, outputs,
-                                 len(prompts), echoes(state, body, prompts),
-                                 state.backend.tokenizer, calls)
+    result = fmt.completion_body(kind, run.request_ids[0], run.choice.served.name, tier,
+                                 outputs, len(prompts), echoes(body, prompts, run.backend),
+                                 run.backend.tokenizer, calls)
     return result, outputs
 
 
-def echoes(state, body, prompts: list) -> list[str] | None:
+def echoes(body, prompts: list, backend: Backend) -> list[str] | None:
     """With `echo`, each prompt's text (put ahead of its choices' text)."""
     if not getattr(body, "echo", False):
         return None
@@ -154,19 +172,22 @@ def echoes(state, body, prompts: list) -> list[str] | None:
     for p in prompts:
         if isinstance(p, str):
             texts.append(p)
-        elif state.backend.tokenizer is not None:
-            texts.append(state.backend.tokenizer.decode(list(p), skip_special_tokens=False))
+        elif backend.tokenizer is not None:
+            texts.append(backend.tokenizer.decode(list(p), skip_special_tokens=False))
         else:
             raise InvalidRequestError("echo of a token-id prompt needs the model's tokenizer, "
                                       "which this gateway does not have", param="echo")
     return texts
 
 
-async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
-    """Answer one HTTP request, whole or as a stream."""
-    echo = echoes(state, body, prompts)
+async def serve(state, kind: str, body, prompts: list, tenant: Tenant,
+                choice: Choice | None = None, notice: bool = False):
+    """Answer one HTTP request, whole or as a stream. `notice`: a stream routed to a
+    batched tier opens with a `tierserve.route` event (the client asked for it)."""
+    choice = choice or Choice(state.target(state.model_name))
+    echo = echoes(body, prompts, choice.served.backend)
     rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    run, tier = await start(state, body, prompts, tenant, rid)
+    run, tier = await start(state, body, prompts, tenant, rid, choice=choice)
     if body.stream:
         events = run.outputs()
         first = None
@@ -176,8 +197,11 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
             except BaseException:
                 run.close()
                 raise
-        return StreamingResponse(_sse(run, events, first, kind, rid, state.model_name, tier,
-                                      body, len(prompts), echo, state.backend.tokenizer),
+        slow = choice.route is not None and tier != "priority"
+        return StreamingResponse(_sse(run, events, first, kind, rid, choice.served.name, tier,
+                                      body, len(prompts), echo, run.backend.tokenizer,
+                                      opening=route_opening(choice, tier, notice) if slow
+                                      else None),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "x-request-id": rid,
                                           "x-tierserve-served-tier": tier, **run.headers})
@@ -186,10 +210,24 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant):
                                          **fmt.cost_headers(outputs, tier)})
 
 
+def route_opening(choice: Choice, tier: str, notice: bool) -> str:
+    """What a stream routed to a batched tier opens with: an SSE comment, which OpenAI
+    clients skip, and, when asked for, an event a UI can show as "thinking"."""
+    out = f": routed to {choice.served.name} in the {tier} tier ({choice.route})\n\n"
+    if notice:
+        out += ("event: tierserve.route\ndata: " + json.dumps(
+            {"route": choice.route, "model": choice.served.name, "tier": tier,
+             "notice": "thinking"}) + "\n\n")
+    return out
+
+
 async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
-               body, num_prompts: int, echo: list[str] | None = None, tokenizer=None):
+               body, num_prompts: int, echo: list[str] | None = None, tokenizer=None,
+               opening: str | None = None):
     """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`);
-    with `echo`, a choice's first chunk starts with its prompt."""
+    with `echo`, a choice's first chunk starts with its prompt; `opening` comes first."""
+    if opening:
+        yield opening
     include_usage = body.include_usage
     started, finals = set(), {}
     held = {} if kind == "chat" and tools.active(body) else None
@@ -249,8 +287,10 @@ class ChoiceRun:
     """The backend requests behind one HTTP request (n choices x prompts), merged into one
     stream of (choice index, output); keeps admission counts right whatever happens."""
 
-    def __init__(self, state, backend: Backend, tier: str, expected: int):
+    def __init__(self, state, backend: Backend, tier: str, expected: int, admission=None):
         self.state, self.backend, self.tier = state, backend, tier
+        self.admission = admission or state.admission
+        self.choice: Choice | None = None
         self.expected = expected
         """Admission slots taken for this run: one per choice, added or not."""
         self.request_ids: list[str] = []
@@ -278,7 +318,7 @@ class ChoiceRun:
                     raise OverloadedError(
                         f"the {self.tier} tier has no capacity for this request now (it "
                         "waited past the tier's limit without starting); retry later or use "
-                        "another tier", retry_after_s=self.state.admission.retry_after_s(
+                        "another tier", retry_after_s=self.admission.retry_after_s(
                             self.tier), code="resource_unavailable")
                 yield index, out
         finally:
@@ -312,7 +352,7 @@ class ChoiceRun:
                 t.cancel()
 
     def _account(self, rid: str, out) -> None:
-        adm = self.state.admission
+        adm = self.admission
         started = out.metrics is not None and out.metrics.first_token_time is not None
         if started and rid not in self._started:
             self._started.add(rid)
@@ -330,8 +370,8 @@ class ChoiceRun:
             if rid not in self._done:
                 self.backend.abort(rid)
                 self._done.add(rid)
-                self.state.admission.finished(self.tier, rid in self._started)
+                self.admission.finished(self.tier, rid in self._started)
         for _ in range(self.expected - len(self.request_ids)):  # never added (an error)
-            self.state.admission.finished(self.tier, False)
+            self.admission.finished(self.tier, False)
 
 

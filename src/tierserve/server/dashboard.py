@@ -20,6 +20,7 @@ import binascii
 import contextlib
 import hmac
 import time
+from collections import Counter
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -102,11 +103,23 @@ async def sampling(state):
 
 
 def sample(state) -> None:
-    if state.backend is None or state.admission is None:
+    if not state.served:
         return
-    kv = [u["kv_usage"] for u in state.backend.units() if u["kv_usage"] is not None]
-    state.timeline.sample(state.admission.queued, state.admission.running,
-                          max(kv) if kv else None)
+    queued, running, kv = Counter(), Counter(), []
+    for served in state.served.values():
+        queued.update(served.admission.queued)
+        running.update(served.admission.running)
+        kv += [u["kv_usage"] for u in served.backend.units() if u["kv_usage"] is not None]
+    state.timeline.sample(queued, running, max(kv) if kv else None)
+
+
+def units(state) -> list[dict]:
+    """Every engine or replica of every served model (named `model/engine` where a
+    server serves several)."""
+    several = len(state.served) > 1
+    return [{**u, "model": served.name,
+             "name": f"{served.name}/{u['name']}" if several else u["name"]}
+            for served in state.served.values() for u in served.backend.units()]
 
 
 def snapshot(state) -> dict:
@@ -116,7 +129,7 @@ def snapshot(state) -> dict:
             "interval_s": state.timeline.interval_s,
             "series": state.timeline.series(), "tiers": tiers(state),
             "tenants": tenants(state), "batches": batches(state),
-            "units": backend.units() if backend is not None else [],
+            "units": units(state),
             "deployment": _deployment(backend)}
 
 

@@ -105,7 +105,7 @@ class Metrics:
 
     # StatSink ------------------------------------------------------------
     def on_step(self, s: StepStats) -> None:
-        labels = (self.model, s.engine)
+        labels = (s.model or self.model, s.engine)
         self.kv_usage.labels(*labels).set(s.kv_usage)
         self.step_tokens.labels(*labels).observe(s.num_tokens)
         self.step_seqs.labels(*labels).observe(s.num_seqs)
@@ -121,7 +121,7 @@ class Metrics:
 
     # server side ---------------------------------------------------------
     def observe_request(self, tier: str, s: RequestStats) -> None:
-        labels = (tier, self.model)
+        labels = (tier, s.model or self.model)
         for hist, value in ((self.ttft, s.ttft_s), (self.e2e, s.e2e_s),
                             (self.queue, s.queue_s), (self.prefill, s.prefill_s),
                             (self.decode, s.decode_s)):
@@ -144,22 +144,26 @@ class Metrics:
         self.vllm.observe_request(s)
 
     def observe_cost(self, tier: str, s: RequestStats) -> None:
+        model = s.model or self.model
         if s.cost is not None:
-            self.machine_cost.labels(tier, self.model, "prefill").inc(s.cost.prefill_cost)
-            self.machine_cost.labels(tier, self.model, "decode").inc(s.cost.decode_cost)
+            self.machine_cost.labels(tier, model, "prefill").inc(s.cost.prefill_cost)
+            self.machine_cost.labels(tier, model, "decode").inc(s.cost.decode_cost)
         if s.charge:
-            self.charge.labels(tier, self.model).inc(s.charge)
+            self.charge.labels(tier, model).inc(s.charge)
 
     def observe_idle(self, interval) -> None:
         self.idle_cost.labels(self.model, "unreserved").inc(interval.cost)
         self.idle_cost.labels(self.model, "reserved").inc(interval.reserved_cost)
 
-    def set_queue_gauges(self, queued: dict, running: dict, units: list[dict] = ()) -> None:
-        """By tier (the server's admission), and by engine or replica (`units`)."""
+    def set_queue_gauges(self, queued: dict, running: dict, units: list[dict] = (),
+                         model: str | None = None) -> None:
+        """By tier (the server's admission), and by engine or replica (`units`), of one
+        served model (None: the server's only one)."""
+        model = model or self.model
         for tier in set(queued) | set(running):
-            self.waiting.labels(tier, self.model).set(queued.get(tier, 0))
-            self.running.labels(tier, self.model).set(running.get(tier, 0))
-        self.vllm.set_units(list(units))
+            self.waiting.labels(tier, model).set(queued.get(tier, 0))
+            self.running.labels(tier, model).set(running.get(tier, 0))
+        self.vllm.set_units(list(units), model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,10 +80,10 @@ class VllmMetrics:
                                      TOKEN_BUCKETS)
 
     def on_step(self, s: StepStats) -> None:
-        self.iteration_tokens.labels(self.model, s.engine).observe(s.num_tokens)
+        self.iteration_tokens.labels(s.model or self.model, s.engine).observe(s.num_tokens)
 
     def observe_request(self, s: RequestStats) -> None:
-        labels = (self.model, s.engine)
+        labels = (s.model or self.model, s.engine)
         for hist, value in ((self.ttft, s.ttft_s), (self.e2e, s.e2e_s), (self.queue, s.queue_s),
                             (self.prefill, s.prefill_s), (self.decode, s.decode_s),
                             (self.tpot, s.tpot_s)):
@@ -106,10 +106,10 @@ class VllmMetrics:
         reason = FINISHED_REASONS.get(s.finish_reason or "", "error")
         self.success.labels(*labels, reason).inc()
 
-    def set_units(self, units: list[dict]) -> None:
+    def set_units(self, units: list[dict], model: str | None = None) -> None:
         """Each engine's or replica's load (`Backend.units()`), read at each scrape."""
         for unit in units:
-            labels = (self.model, unit["name"])
+            labels = (model or self.model, unit["name"])
             self.running.labels(*labels).set(unit["running"])
             self.waiting.labels(*labels).set(unit["waiting"])
             self.swapped.labels(*labels).set(0)

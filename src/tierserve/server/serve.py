@@ -19,7 +19,7 @@ DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
                   "slo", "prices", "budgets", "rate_limits", "admin_key", "max_file_bytes", "max_batch_lines", "fleet",
-                  "backends"}
+                  "backends", "models", "routes", "route_classifier"}
 
 
 def load_yaml(path: str) -> dict:
@@ -99,7 +99,45 @@ def build(args):
     name = settings.served_model_name or (
         settings.backends[0].models[0] if settings.backends and settings.backends[0].models
         else default_model_name(args.model, args.load_format))
+    add_models(settings, extra, name)
     return settings, config, name
+
+
+def add_models(settings, extra: dict, main: str) -> None:
+    """YAML `models:` (more in-process models), `routes:` and `route_classifier:`."""
+    from tierserve.route.rules import parse_routes
+
+    models = extra.get("models") or {}
+    if not isinstance(models, dict) or not all(isinstance(v, dict) for v in models.values()):
+        raise ConfigError("models: expected name -> {model: PATH, max_num_seqs: N, ...}")
+    if main in models:
+        raise ConfigError(f"models: {main!r} is the main model's name already")
+    if models and settings.backends:
+        raise ConfigError("models: more in-process models beside fleet replicas is not "
+                          "supported; run a gateway per model")
+    settings.models = {str(k): dict(v) for k, v in models.items()}
+    settings.routes = parse_routes(extra.get("routes"), {main, *settings.models})
+    settings.route_classifier = extra.get("route_classifier")
+
+
+def model_config(config, options: dict):
+    """The main engine's config with one more model's options on top."""
+    import copy
+    import dataclasses
+
+    from tierserve.llm import engine_config
+
+    flat = {}
+    for part in (config.model, config.cache, config.scheduler, config.tiers):
+        flat.update({f.name: getattr(part, f.name) for f in dataclasses.fields(part)})
+    flat.update(options)
+    try:
+        out = engine_config(**{k: v for k, v in flat.items() if k != "slo"})
+    except TypeError as exc:
+        raise ConfigError(f"models: {exc}") from None
+    out.tiers.slo = copy.deepcopy(config.tiers.slo)
+    out.validate()
+    return out
 
 
 def build_fleet(settings, config, name: str, say):
@@ -180,6 +218,25 @@ async def build_engines(config, say):
     return DedicatedEngines(fast, await one(main_cfg, "main"))
 
 
+async def build_more(settings, config, say) -> dict:
+    """The engines of YAML `models:`, before the main one. The cores are split between
+    the engines (as the dedicated deployment does), so a small model's fast lane never
+    waits behind a large model's step."""
+    if not settings.models:
+        return {}
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // (1 + len(settings.models))))
+    out = {}
+    for name, options in settings.models.items():
+        cfg = model_config(config, options)
+        cfg.tiers.deployment = "shared"
+        say(f"loading {name} ({options.get('model') or 'the default model'}), "
+            f"{torch.get_num_threads()} thread(s)")
+        out[name] = await build_engines(cfg, say)
+    return out
+
+
 def serve(args) -> int:
     import uvicorn
 
@@ -206,6 +263,7 @@ def serve(args) -> int:
                 backend = build_fleet(settings, config, name, say)
                 what = f"{len(settings.backends)} replica(s) behind the gateway"
             else:
+                more = await build_more(settings, config, say)
                 backend = LocalBackend(await build_engines(config, say))
                 what = f"{config.tiers.deployment} deployment, {config.scheduler.policy} policy"
         except Exception as exc:  # report and stop the server
@@ -213,6 +271,11 @@ def serve(args) -> int:
             server.should_exit = True
             return
         state.attach(backend)
+        if not settings.backends:
+            for extra, engine in more.items():
+                state.attach(LocalBackend(engine, extra), extra)
+            if more:
+                what += f"; also {', '.join(more)}; routes: {', '.join(settings.routes) or 'none'}"
         say(f"ready: serving {name} at {url}/v1 ({what})")
 
     async def main() -> None:

@@ -99,6 +99,13 @@ class ServerSettings:
     engine."""
     fleet: FlowConfig = field(default_factory=FlowConfig)
     """Fleet mode's flow control (router.flow.FlowConfig)."""
+    models: dict[str, dict] = field(default_factory=dict)
+    """More in-process models served beside the main one: name -> engine options
+    (`model`, `max_num_seqs`, `dtype`, `load_format`, ...; the rest from the main one)."""
+    routes: dict = field(default_factory=dict)
+    """Model aliases clients call -> route.rules.Route (the YAML's `routes:`)."""
+    route_classifier: str | None = None
+    """The trained router (`tierserve route train`) that `score_min` rules use."""
 
     @property
     def ledger_target(self) -> str | None:

@@ -144,7 +144,7 @@ function render(d) {
                     ["progress", "completed", (v, r) => bar((r.completed + r.failed) / Math.max(1, r.total),
                                                            `${r.completed + r.failed} / ${r.total}`)],
                     ["failed", "failed"], ["charged", "charge_usd", usd]], d.batches, "id");
-  table("units", [["name", "name"], ["kind", "kind"],
+  table("units", [["name", "name"], ["model", "model"], ["kind", "kind"],
                   ["health", "healthy", v => { const e = document.createElement("span");
                     e.className = v ? "up" : "down"; e.textContent = v ? "healthy" : "down"; return e; }],
                   ["running", "running", (v, r) => bar(v / Math.max(1, r.max_num_seqs), `${v} / ${r.max_num_seqs}`)],

@@ -1,0 +1,66 @@
+"""Which served model, in which tier, answers a request: the model it names, or, for an
+alias of `routes:`, the first rule that matches it (route/rules.py).
+
+The features rules look at are computed here, once, at the edge: the tier asked for, the
+tenant, the user turns, the prompt's tokens (counted with the tokenizer of the model the
+route's default rule names), `max_tokens`, whether tools are given, and the last user
+message. The classifier is scored only when a rule needs it.
+"""
+
+from dataclasses import dataclass
+
+from tierserve.route.rules import Features, Route
+from tierserve.router.backend import Chat
+from tierserve.server import tools
+from tierserve.server.protocol import ChatCompletionRequest
+
+
+@dataclass
+class Choice:
+    served: "object"
+    """app.Served: the model's name, backend and admission."""
+    tier: str | None = None
+    """The tier the rule sends it to (None: the one the request asks for)."""
+    route: str | None = None
+    """`alias/rule` when an alias was called; None when a model was named."""
+    score: float | None = None
+    """The classifier's P(hard), where a rule needed it."""
+
+    @property
+    def header(self) -> str | None:
+        if self.route is None:
+            return None
+        return f"route={self.route}; model={self.served.name}"
+
+
+def choose(state, body, tenant) -> Choice:
+    route = state.routes.get(body.model)
+    if route is None:
+        return Choice(state.target(body.model))
+    f = features(state, route, body, tenant)
+    scorer = state.classifier.score if state.classifier is not None else None
+    rule = route.choose(f, scorer)
+    return Choice(state.target(rule.model), rule.tier, f"{route.alias}/{rule.name}", f.score)
+
+
+def features(state, route: Route, body, tenant) -> Features:
+    counter = state.target(route.rules[-1].model).backend
+    if isinstance(body, ChatCompletionRequest):
+        users = [m for m in body.messages if m.role == "user"]
+        last = users[-1].text() if users else ""
+        prompt = counter.prepare(Chat(tools.render(body)))
+        turns, has_tools = max(1, len(users)), bool(body.tools)
+    else:
+        p = body.prompt
+        last = p if isinstance(p, str) else ""
+        prompt = counter.prepare(p) if isinstance(p, str) else p
+        turns, has_tools = 1, False
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        n = len(prompt)
+    else:  # no tokenizer (a gateway without the model's files): about 4 bytes a token
+        n = len(str(prompt).encode()) // 4
+    return Features(tier=body.service_tier if body.service_tier not in (None, "auto")
+                    else "default", tenant=tenant.name, turns=turns, prompt_tokens=n,
+                    max_tokens=body.max_completion_tokens if hasattr(
+                        body, "max_completion_tokens") and body.max_completion_tokens
+                    else body.max_tokens, tools=has_tools, last_user_message=last)
