@@ -122,3 +122,27 @@ def test_metrics_carry_each_model_as_its_label(server):
     text = httpx.get(server.url + "/metrics").text
     assert 'tierserve_generation_tokens_total{model="large",tier="default"}' in text
     assert 'vllm:num_requests_running{engine="0",model_name="large"}' in text
+
+
+def test_bill_by_route_compares_each_route_with_the_large_model_in_the_fast_lane(server,
+                                                                                 capsys):
+    from tierserve.cli import main
+
+    for i in range(6):  # the basis of the estimate: the large model's own fast lane
+        body = {"model": "large", "max_tokens": 3 + i, "temperature": 0,
+                "service_tier": "priority", "messages": user(f"Hello {i}", "refund? " * i)}
+        assert httpx.post(server.url + "/v1/chat/completions", json=body,
+                          timeout=120).status_code == 200
+    assert chat(server, user("Hi!")).status_code == 200
+    capsys.readouterr()
+    assert main(["bill", "--ledger", str(server.ledger), "--by", "route", "--large", "large",
+                 "--format", "json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    groups = {g["route"]: g for g in summary["groups"]}
+    assert "assistant/greeting" in groups and "large (by name)" in groups
+    assert summary["large"]["basis_requests"] >= 6
+    for g in groups.values():
+        assert g["if_large_priority"] > 0
+    assert any("in the priority tier they would have cost" in f for f in summary["findings"])
+    assert main(["bill", "--ledger", str(server.ledger), "--by", "route"]) == 0
+    assert "if_large_priority" in capsys.readouterr().out

@@ -180,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="from this time: ISO date/time (UTC), unix seconds, or an age (24h)")
     bill.add_argument("--until", default=None, help="up to this time (same forms)")
     bill.add_argument("--by", default="tier",
-                      help="group by tenant, tier (default), model, size, or tag:KEY")
+                      help="group by tenant, tier (default), model, size, route (hybrid "
+                           "serving's alias/rule), or tag:KEY")
+    bill.add_argument("--large", default=None, metavar="MODEL",
+                      help="with --by route: compare each route with this model in the "
+                           "priority tier (default: the ledger's most expensive per token)")
     bill.add_argument("--format", default="table", choices=["table", "json", "csv"])
     bill.add_argument("--plot", default=None, metavar="OUT.png",
                       help="also draw cost per 1K output tokens of each --by group, and the "

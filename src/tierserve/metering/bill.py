@@ -20,7 +20,7 @@ from tierserve.errors import ConfigError, TierserveError
 from tierserve.metering.ledger import connect
 
 SIZES = ((64, "<64 out"), (256, "64-255 out"), (None, ">=256 out"))
-GROUPINGS = ("tenant", "tier", "model", "size")
+GROUPINGS = ("tenant", "tier", "model", "size", "route")
 
 
 def parse_time(text: str | None, now: float) -> float | None:
@@ -74,10 +74,15 @@ def group_key(row: dict, by: str) -> str:
         return row["tier_served"]
     if by in ("tenant", "model", "size"):
         return row[by]
+    if by == "route":  # a model called by name has no route
+        route = row["tags"].get("route")
+        return route if route else f"{row['model']} (by name)"
     return str(row["tags"].get(by[4:], "(none)"))  # tag:KEY (checked in summarize)
 
 
-def summarize(rows: list[dict], idle: list[dict], by: str) -> dict:
+def summarize(rows: list[dict], idle: list[dict], by: str, large: str | None = None) -> dict:
+    """`large` (with `by` route): the model whose fast lane the routes are compared with
+    (default: the ledger's most expensive per output token)."""
     if by not in GROUPINGS and not (by.startswith("tag:") and len(by) > 4):
         raise ConfigError(f"--by must be one of {', '.join(GROUPINGS)} or tag:KEY, got {by!r}")
     prefill = sum(r["prefill_cost"] for r in rows)
@@ -107,7 +112,11 @@ def summarize(rows: list[dict], idle: list[dict], by: str) -> dict:
               "decode_cost": decode, "idle_cost": idle_cost, "reserved_idle_cost": reserved,
               "charge": charge, "margin": charge - machine,
               "output_tokens": sum(r["output_tokens"] for r in rows)}
-    return {"by": by, "totals": totals, "groups": table, "findings": findings(rows, totals)}
+    out = {"by": by, "totals": totals, "groups": table, "findings": findings(rows, totals)}
+    if by == "route":
+        from tierserve.metering.counterfactual import compare_routes
+        compare_routes(out, groups, rows, large)
+    return out
 
 
 def findings(rows: list[dict], totals: dict) -> list[str]:
@@ -182,6 +191,9 @@ def render(summary: dict, fmt: str) -> str:
 
 def columns(by: str) -> list[str]:
     """The columns of a group's row, in the order the table and the CSV show them."""
+    if by == "route":
+        return [by, "requests", "output_tokens", "machine_cost", "if_large_priority",
+                "saving", "charge", "ttft_p50_s", "e2e_p50_s"]
     return [by, "requests", "prompt_tokens", "output_tokens", "machine_cost", "charge",
             "cost_per_1k_output", "e2e_p50_s", "e2e_p99_s", "ttft_p50_s", "mean_batch_size"]
 
@@ -239,7 +251,7 @@ def run(args) -> int:
     now = time.time()
     since, until = parse_time(args.since, now), parse_time(args.until, now)
     rows, idle = load(args.ledger, since, until)
-    summary = summarize(rows, idle, args.by)
+    summary = summarize(rows, idle, args.by, getattr(args, "large", None))
     print(render(summary, args.format))
     if args.plot:
         plot(summary, args.plot)
