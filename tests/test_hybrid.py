@@ -25,6 +25,12 @@ ROUTES = {"assistant": [
      "tier": "default"},
     {"name": "learned", "when": {"score_min": 0.5}, "model": "large", "tier": "default"},
     {"name": "rest", "model": MODEL, "tier": "priority"},
+], "cascade": [
+    {"name": "small-first", "model": MODEL, "tier": "priority",
+     "escalate": {"model": "large", "tier": "default"}},
+], "doubtful": [
+    {"name": "small-first", "model": MODEL, "tier": "priority",
+     "escalate": {"model": "large", "min_mean_logprob": 0.0, "on_length": False}},
 ]}
 
 
@@ -111,7 +117,7 @@ def test_a_stream_sent_to_the_batched_tier_opens_with_a_comment_and_a_notice_if_
 
 def test_the_model_list_names_models_and_aliases_and_unknown_names_are_404(server):
     data = httpx.get(server.url + "/v1/models").json()["data"]
-    assert [m["id"] for m in data] == [MODEL, "large", "assistant"]
+    assert [m["id"] for m in data] == [MODEL, "large", "assistant", "cascade", "doubtful"]
     assert data[2]["routes_to"] == sorted([MODEL, "large"])
     r = chat(server, user("Hi!"), model="medium")
     assert r.status_code == 404 and "`assistant`" in r.json()["error"]["message"]
@@ -146,3 +152,30 @@ def test_bill_by_route_compares_each_route_with_the_large_model_in_the_fast_lane
     assert any("in the priority tier they would have cost" in f for f in summary["findings"])
     assert main(["bill", "--ledger", str(server.ledger), "--by", "route"]) == 0
     assert "if_large_priority" in capsys.readouterr().out
+
+
+def test_an_answer_cut_by_length_escalates_to_the_large_model_and_both_are_billed(server):
+    r = chat(server, user("Tell me a long story about bikes."), model="cascade", max_tokens=3)
+    assert r.status_code == 200, r.text
+    rid = r.json()["id"]
+    assert rid.endswith("-escalated") and r.json()["model"] == "large"
+    assert r.headers["x-tierserve-route"] == \
+        f"route=cascade/small-first; model=large; escalated_from={MODEL} (length)"
+    ledger = rows(server)
+    first = rid[:-len("-escalated")]
+    assert ledger[first] == (MODEL, "cascade/small-first", "priority")
+    assert ledger[rid] == ("large", "cascade/small-first", "default")
+    streamed = chat(server, user("Tell me a long story."), model="cascade", max_tokens=3,
+                    stream=True)
+    assert "large" not in streamed.text  # a stream's tokens are sent: it never escalates
+
+
+def test_a_low_mean_logprob_escalates_without_showing_the_client_any_logprobs(server):
+    r = chat(server, user("Hi!"), model="doubtful", max_tokens=4)
+    assert r.status_code == 200 and r.json()["model"] == "large"
+    assert "mean logprob -" in r.headers["x-tierserve-route"]
+    assert r.json()["choices"][0]["logprobs"] is None
+    asked = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "doubtful", "max_tokens": 2, "temperature": 0, "logprobs": True,
+        "messages": user("Hi!")}).json()
+    assert len(asked["choices"][0]["logprobs"]["content"]) == 2  # asked for: kept

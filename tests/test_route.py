@@ -64,6 +64,10 @@ def test_the_chosen_rule_matches_and_no_earlier_rule_does(f):
     ({"a": [{"model": "small", "when": {"regex": "("}}, {"model": "large"}]}, "bad regex"),
     ({"small": [{"model": "small"}]}, "also a model's name"),
     ({"a": []}, "non-empty list"),
+    ({"a": [{"model": "small", "escalate": {"model": "small"}}]}, "same model"),
+    ({"a": [{"model": "small", "escalate": {"model": "huge"}}]}, "escalate: expected"),
+    ({"a": [{"model": "small", "escalate": {"model": "large", "when": 1}}]},
+     "unknown field 'when'"),
 ])
 def test_bad_routes_are_refused_with_a_message_naming_the_problem(routes, message):
     with pytest.raises(ConfigError, match=message):

@@ -192,8 +192,8 @@ def render(summary: dict, fmt: str) -> str:
 def columns(by: str) -> list[str]:
     """The columns of a group's row, in the order the table and the CSV show them."""
     if by == "route":
-        return [by, "requests", "output_tokens", "machine_cost", "if_large_priority",
-                "saving", "charge", "ttft_p50_s", "e2e_p50_s"]
+        return [by, "requests", "escalated", "output_tokens", "machine_cost",
+                "if_large_priority", "saving", "charge", "ttft_p50_s", "e2e_p50_s"]
     return [by, "requests", "prompt_tokens", "output_tokens", "machine_cost", "charge",
             "cost_per_1k_output", "e2e_p50_s", "e2e_p99_s", "ttft_p50_s", "mean_batch_size"]
 

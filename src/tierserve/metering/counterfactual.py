@@ -48,6 +48,9 @@ def compare_routes(summary: dict, groups: dict, rows: list[dict], large: str | N
     coef = fit(basis)
     for g in summary["groups"]:
         g["if_large_priority"] = g["saving"] = None
+        # second attempts of a cascade (billed too, and counted in `requests`)
+        g["escalated"] = sum(r["tags"].get("cascade") == "escalation"
+                             for r in groups[g["route"]])
         if coef is not None:
             alt = sum(predict(coef, r) for r in groups[g["route"]])
             g["if_large_priority"] = alt

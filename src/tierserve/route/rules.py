@@ -17,6 +17,16 @@ Conditions (all must hold; absent ones are not checked): `tiers` (the tier asked
 last user message), `score_min`/`score_max` (the trained classifier's probability that
 the request is hard; route/classifier.py). A rule's tier is optional: without one the
 request keeps the tier it asked for.
+
+A rule may escalate (a cascade): when its model's whole answer fails a check, the
+request runs again on another model and both attempts are billed:
+
+        - {name: greeting, when: {turns_max: 1}, model: small, tier: priority,
+           escalate: {model: large, tier: default, min_mean_logprob: -1.5}}
+
+Checks: an empty answer and one cut by `max_tokens` (`on_empty`, `on_length`, both on
+unless set false), and the mean log-probability of its tokens under `min_mean_logprob`.
+Only whole answers escalate: a stream's tokens are already with the client.
 """
 
 import re
@@ -46,12 +56,34 @@ class Features:
 
 
 @dataclass
+class Escalation:
+    model: str
+    tier: str | None = None
+    on_empty: bool = True
+    on_length: bool = True
+    min_mean_logprob: float | None = None
+
+    def fails(self, text: str, finish_reason: str | None, logprobs: list | None) -> str | None:
+        """Why an answer fails the check (None: it passes)."""
+        if self.on_empty and not text.strip():
+            return "empty"
+        if self.on_length and finish_reason == "length":
+            return "length"
+        if self.min_mean_logprob is not None and logprobs:
+            mean = sum(lp for lp, _ in logprobs) / len(logprobs)
+            if mean < self.min_mean_logprob:
+                return f"mean logprob {mean:.2f}"
+        return None
+
+
+@dataclass
 class Rule:
     name: str
     model: str
     tier: str | None = None
     when: dict = field(default_factory=dict)
     regex: re.Pattern | None = None
+    escalate: Escalation | None = None
 
     @property
     def needs_score(self) -> bool:
@@ -134,7 +166,7 @@ def _rule(alias: str, i: int, spec, models: set[str]) -> Rule:
     where = f"routes.{alias}[{i}]"
     if not isinstance(spec, dict):
         raise ConfigError(f"{where}: expected a mapping with model, tier, when, name")
-    unknown = set(spec) - {"name", "model", "tier", "when"}
+    unknown = set(spec) - {"name", "model", "tier", "when", "escalate"}
     if unknown:
         raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]!r}")
     model = spec.get("model")
@@ -163,4 +195,29 @@ def _rule(alias: str, i: int, spec, models: set[str]) -> Rule:
             regex = re.compile(str(when["regex"]))
         except re.error as exc:
             raise ConfigError(f"{where}: bad regex {when['regex']!r}: {exc}") from None
-    return Rule(str(spec.get("name") or f"rule{i}"), model, tier, when, regex)
+    return Rule(str(spec.get("name") or f"rule{i}"), model, tier, when, regex,
+                _escalation(where, spec.get("escalate"), models, model))
+
+
+def _escalation(where: str, spec, models: set[str], model: str) -> Escalation | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or spec.get("model") not in models:
+        raise ConfigError(f"{where}.escalate: expected {{model: one of "
+                          f"{', '.join(sorted(models))}, tier, min_mean_logprob, on_empty, "
+                          f"on_length}}, got {spec!r}")
+    unknown = set(spec) - set(Escalation.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"{where}.escalate: unknown field {sorted(unknown)[0]!r}")
+    if spec["model"] == model:
+        raise ConfigError(f"{where}.escalate: escalating to the same model ({model}) "
+                          "would only run the request twice")
+    tier = spec.get("tier")
+    if tier is not None and tier not in TIER_NAMES:
+        raise ConfigError(f"{where}.escalate: tier must be one of {', '.join(TIER_NAMES)}")
+    low = spec.get("min_mean_logprob")
+    if low is not None and not isinstance(low, (int, float)):
+        raise ConfigError(f"{where}.escalate: min_mean_logprob must be a number")
+    return Escalation(spec["model"], tier, bool(spec.get("on_empty", True)),
+                      bool(spec.get("on_length", True)),
+                      None if low is None else float(low))

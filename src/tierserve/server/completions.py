@@ -15,7 +15,7 @@ from tierserve.server import openai_format as fmt
 from tierserve.server import tools
 from tierserve.server.http_errors import error_body, validation_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tierserve.server.routing import Choice, choose
+from tierserve.server.routing import Choice, choose, escalation
 from tierserve.server.settings import Tenant, resolve_tier
 
 KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
@@ -102,6 +102,10 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
         asked = state.tier_for(body.service_tier, tenant)
     served = backend.served_tier(asked).label
     params = [body.sampling_params(i) for i in range(body.n)]
+    hidden = choice.escalate is not None and choice.escalate.min_mean_logprob is not None \
+        and params[0].logprobs is None
+    for p in params if hidden else ():  # the cascade's check reads them; the client not
+        p.logprobs = 0
     worst = [(p, worst_case_tokens(backend, p, sp)) for p in prompts for sp in params]
     ids = [f"{rid}-{i}" if i else rid for i in range(len(worst))]
     tokens = sum(a + b for _, (a, b) in worst) if queue_limit else 0
@@ -123,7 +127,7 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
         raise
     run = ChoiceRun(state, backend, served, expected=len(worst), admission=admission)
     run.headers = headers
-    run.choice = choice
+    run.choice, run.hidden_logprobs = choice, hidden
     if choice.route is not None:
         run.headers["x-tierserve-route"] = choice.header
     owner = tenant.owner(body.cache_salt)
@@ -156,6 +160,13 @@ async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
         run.close()
     await state.recorder.committed()  # answered only once billed (see ledger's note)
     outputs = [finals[i] for i in range(len(run.request_ids))]
+    esc = run.choice.escalate
+    if esc is not None and len(outputs) == 1:
+        c = outputs[0].outputs[0]
+        run.failed = esc.fails(c.text, c.finish_reason, c.logprobs)
+    if run.hidden_logprobs:
+        for o in outputs:
+            o.outputs[0].logprobs = None
     calls = [tools.parse_calls(o.outputs[0].text, body) for o in outputs] \
         if kind == "chat" else None
     result = fmt.completion_body(kind, run.request_ids[0], run.choice.served.name, tier,
@@ -180,14 +191,14 @@ def echoes(body, prompts: list, backend: Backend) -> list[str] | None:
     return texts
 
 
-async def serve(state, kind: str, body, prompts: list, tenant: Tenant,
+async def serve(state, kind: str, body, found: list, tenant: Tenant,
                 choice: Choice | None = None, notice: bool = False):
     """Answer one HTTP request, whole or as a stream. `notice`: a stream routed to a
     batched tier opens with a `tierserve.route` event (the client asked for it)."""
     choice = choice or Choice(state.target(state.model_name))
-    echo = echoes(body, prompts, choice.served.backend)
+    echo = echoes(body, found, choice.served.backend)
     rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    run, tier = await start(state, body, prompts, tenant, rid, choice=choice)
+    run, tier = await start(state, body, found, tenant, rid, choice=choice)
     if body.stream:
         events = run.outputs()
         first = None
@@ -199,13 +210,20 @@ async def serve(state, kind: str, body, prompts: list, tenant: Tenant,
                 raise
         slow = choice.route is not None and tier != "priority"
         return StreamingResponse(_sse(run, events, first, kind, rid, choice.served.name, tier,
-                                      body, len(prompts), echo, run.backend.tokenizer,
+                                      body, len(found), echo, run.backend.tokenizer,
                                       opening=route_opening(choice, tier, notice) if slow
                                       else None),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "x-request-id": rid,
                                           "x-tierserve-served-tier": tier, **run.headers})
-    result, outputs = await collect(state, run, kind, tier, body, prompts)
+    result, outputs = await collect(state, run, kind, tier, body, found)
+    if run.failed:  # a cascade: the first answer failed its check; both are billed
+        second = escalation(state, choice, run.failed)
+        rid = f"{rid}-escalated"
+        again = prompts(state, body, second.served.backend)  # its own chat template
+        run, tier = await start(state, body, again, tenant, rid, choice=second,
+                                tags={"cascade": "escalation"})
+        result, outputs = await collect(state, run, kind, tier, body, again)
     return JSONResponse(result, headers={"x-request-id": rid, **run.headers,
                                          **fmt.cost_headers(outputs, tier)})
 
@@ -291,6 +309,10 @@ class ChoiceRun:
         self.state, self.backend, self.tier = state, backend, tier
         self.admission = admission or state.admission
         self.choice: Choice | None = None
+        self.hidden_logprobs = False
+        """Logprobs asked for the cascade's check only: dropped before the answer."""
+        self.failed: str | None = None
+        """Why the answer failed the cascade's check (None: it passed, or no check)."""
         self.expected = expected
         """Admission slots taken for this run: one per choice, added or not."""
         self.request_ids: list[str] = []

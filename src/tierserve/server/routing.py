@@ -25,12 +25,17 @@ class Choice:
     """`alias/rule` when an alias was called; None when a model was named."""
     score: float | None = None
     """The classifier's P(hard), where a rule needed it."""
+    escalate: object = None
+    """route.rules.Escalation: the cascade's check and where a failed answer goes."""
+    escalated_from: str | None = None
+    """On the second attempt of a cascade: the model whose answer failed, and why."""
 
     @property
     def header(self) -> str | None:
         if self.route is None:
             return None
-        return f"route={self.route}; model={self.served.name}"
+        out = f"route={self.route}; model={self.served.name}"
+        return out + f"; escalated_from={self.escalated_from}" if self.escalated_from else out
 
 
 def choose(state, body, tenant) -> Choice:
@@ -40,7 +45,15 @@ def choose(state, body, tenant) -> Choice:
     f = features(state, route, body, tenant)
     scorer = state.classifier.score if state.classifier is not None else None
     rule = route.choose(f, scorer)
-    return Choice(state.target(rule.model), rule.tier, f"{route.alias}/{rule.name}", f.score)
+    return Choice(state.target(rule.model), rule.tier, f"{route.alias}/{rule.name}", f.score,
+                  rule.escalate)
+
+
+def escalation(state, choice: Choice, why: str) -> Choice:
+    """The second attempt of a cascade."""
+    esc = choice.escalate
+    return Choice(state.target(esc.model), esc.tier, choice.route, choice.score, None,
+                  f"{choice.served.name} ({why})")
 
 
 def features(state, route: Route, body, tenant) -> Features:
