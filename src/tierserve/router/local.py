@@ -17,6 +17,9 @@ class LocalBackend:
         several models tells them apart by it)."""
         self.deployment = deployment
         self.name = name
+        self.machine_share = 1.0
+        """The share of the machine its engines own (the cores are split between the
+        models of a hybrid server): what share of the machine's price its steps cost."""
         main = deployment.engine  # the batching engine stands for the deployment
         self.engine = main
         self.tokenizer = main.tokenizer
@@ -68,7 +71,7 @@ class LocalBackend:
             sched = part.engine.config.scheduler
             reserved = 1.0 if part is not self.deployment.engines[-1] else \
                 sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
-            recorder.attach(part.engine, price_per_hour, reserved)
+            recorder.attach(part.engine, price_per_hour * self.machine_share, reserved)
             part.engine.add_sink(_Labelled(sink, self.engine_label(part), self.name))
 
     def engine_label(self, part: AsyncEngine) -> str:

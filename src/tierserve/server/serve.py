@@ -265,6 +265,7 @@ def serve(args) -> int:
             else:
                 more = await build_more(settings, config, say)
                 backend = LocalBackend(await build_engines(config, say))
+                backend.machine_share = 1 / (1 + len(more))
                 what = f"{config.tiers.deployment} deployment, {config.scheduler.policy} policy"
         except Exception as exc:  # report and stop the server
             failure.append(exc)
@@ -273,7 +274,9 @@ def serve(args) -> int:
         state.attach(backend)
         if not settings.backends:
             for extra, engine in more.items():
-                state.attach(LocalBackend(engine, extra), extra)
+                part = LocalBackend(engine, extra)
+                part.machine_share = backend.machine_share  # the cores are split evenly
+                state.attach(part, extra)
             if more:
                 what += f"; also {', '.join(more)}; routes: {', '.join(settings.routes) or 'none'}"
         say(f"ready: serving {name} at {url}/v1 ({what})")
