@@ -52,7 +52,8 @@ class Batches:
             await asyncio.sleep(0.1)
         seqs = state.backend.max_num_seqs
         self.runner = BatchRunner(self.store, self._execute,
-                                  state.settings.batch_max_in_flight or 2 * seqs)
+                                  state.settings.batch_max_in_flight or 2 * seqs,
+                                  hold=state.capacity.hold_batch if state.capacity else None)
         await self.runner.run()
 
     async def _execute(self, batch, custom_id: str, body: dict, request_id: str):

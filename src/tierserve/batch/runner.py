@@ -41,10 +41,14 @@ log = logging.getLogger("tierserve.batch")
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, execute, max_in_flight: int, clock=time.time):
+    def __init__(self, store: BatchStore, execute, max_in_flight: int, clock=time.time,
+                 hold=None):
         """`execute(batch_row, custom_id, body, request_id) -> (status_code,
-        response_body)` runs one line (server.completions.execute behind a closure)."""
+        response_body)` runs one line (server.completions.execute behind a closure).
+        `hold(batch_row, now) -> bool`: whether to feed none of its lines now (a capacity
+        schedule's peak; lines in flight run on)."""
         self.store, self.execute = store, execute
+        self.hold = hold
         self.max_in_flight = max(1, max_in_flight)
         self.clock = clock
         self._queues: dict[str, deque[int]] = {}
@@ -82,6 +86,9 @@ class BatchRunner:
             bid, status = batch["id"], batch["status"]
             if status == "in_progress" and now >= batch["expires_at"]:
                 status = "expiring"
+            if status == "in_progress" and self.hold is not None and self.hold(batch, now):
+                busy = True
+                continue
             if status == "in_progress":
                 queue = self._queues.get(bid)
                 if queue is None:

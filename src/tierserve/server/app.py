@@ -28,7 +28,7 @@ from tierserve.metering.recorder import Recorder
 from tierserve.router.backend import Backend
 from tierserve.router.dedicated import DedicatedEngines
 from tierserve.router.local import LocalBackend
-from tierserve.server import admin, completions, dashboard, routing
+from tierserve.server import admin, capacity, completions, dashboard, routing
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
@@ -75,6 +75,8 @@ class ServerState:
         if settings.route_classifier:
             from tierserve.route.classifier import Classifier
             self.classifier = Classifier.load(settings.route_classifier)
+        self.capacity = capacity.Capacity(self, settings.schedule) if settings.schedule \
+            else None
         self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
             else None
 
@@ -175,7 +177,8 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with dashboard.sampling(state), batch_routes.running(state):
+        async with dashboard.sampling(state), capacity.following(state), \
+                batch_routes.running(state):
             yield  # batches stop first: their lines abort cleanly
         if state.backend is not None:
             await state.backend.stop()
@@ -229,6 +232,15 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
         state.authenticate(request)
         state.check_model(model_id)
         return model_card(model_id)
+
+    @app.get("/v1/schedule")
+    async def schedule(request: Request):
+        """The capacity schedule in force: for an autoscaler (replicas per pool) and for
+        operators (what the engines were set to)."""
+        dashboard.check_access(state, request)
+        if state.capacity is None:
+            raise NotFoundError("this server has no capacity schedule (YAML `schedule:`)")
+        return state.capacity.status()
 
     @app.get("/version")
     async def version():

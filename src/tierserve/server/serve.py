@@ -19,7 +19,7 @@ DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
                   "slo", "prices", "budgets", "rate_limits", "admin_key", "max_file_bytes", "max_batch_lines", "fleet",
-                  "backends", "models", "routes", "route_classifier"}
+                  "backends", "models", "routes", "route_classifier", "schedule"}
 
 
 def load_yaml(path: str) -> dict:
@@ -100,6 +100,10 @@ def build(args):
         settings.backends[0].models[0] if settings.backends and settings.backends[0].models
         else default_model_name(args.model, args.load_format))
     add_models(settings, extra, name)
+    if extra.get("schedule") is not None:
+        from tierserve.sim.schedule import parse_schedule
+        raw = extra["schedule"]  # the mapping itself, or the file plan --forecast wrote
+        settings.schedule = parse_schedule(load_yaml(raw) if isinstance(raw, str) else raw)
     return settings, config, name
 
 

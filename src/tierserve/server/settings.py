@@ -106,6 +106,8 @@ class ServerSettings:
     """Model aliases clients call -> route.rules.Route (the YAML's `routes:`)."""
     route_classifier: str | None = None
     """The trained router (`tierserve route train`) that `score_min` rules use."""
+    schedule: object = None
+    """sim.schedule.Schedule applied live (server/capacity.py); None: static all day."""
 
     @property
     def ledger_target(self) -> str | None:
