@@ -1,6 +1,6 @@
 """The simulator's GEMM curve against measured GPU operator timings (issue 6).
 
-    python benchmarks/sim_profiling.py [--data ../shared/data/profiling] [--write]
+    python benchmarks/sim_profiling.py [--data data/profiling] [--write]
 
 Per GPU directory under --data (a100 -> a100-80gb, h100 -> h100-sxm; another directory is
 taken as a profile name): fit the curve of sim/opfit.py to every model shape but one,
@@ -21,7 +21,7 @@ from tierserve.sim.opfit import (fit_curve, layer_errors, leave_one_out, lineari
                                  load_profiles, median_p90)
 from tierserve.sim.step_time import PROFILE_DIR, load_hardware
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared/data/profiling"
+DATA = Path(__file__).resolve().parents[1] / "data" / "profiling"
 PROFILE_OF = {"a100": "a100-80gb", "h100": "h100-sxm"}
 """Vidur's GPU directory names -> our hardware profiles."""
 DECODE_TOKENS = 128

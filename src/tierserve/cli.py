@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "fleet; flags given win")
     arg("--served-model-name", default=None,
         help="name clients send as `model` (default: from the model file)")
+    arg("--api-key", default=None, metavar="KEY",
+        help="a key every request must bring (Authorization: Bearer KEY; 401 without), "
+             "beside the keys of the YAML's api_keys; its tenant is `api-key` "
+             "(default: $TIERSERVE_API_KEY)")
+    arg("--disable-uvicorn-access-log", const=True, default=False,
+        help="no line per HTTP request on stdout")
+    arg("--disable-fastapi-docs", const=True, default=False,
+        help="serve no /docs, /redoc or /openapi.json")
     from tierserve.metering.ledger import default_path
     from tierserve.metering.prices import MACHINE_PRICE_PER_HOUR
     m = srv.add_argument_group("metering")
@@ -262,9 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_plot_extra(args) -> None:
+    """`--plot` (bill, sim) draws with matplotlib, which only the `plot` extra installs:
+    say so before any work is done."""
+    if getattr(args, "plot", None) is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise TierserveError("--plot needs matplotlib: pip install 'tierserve[plot]'") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_plot_extra(args)
         return args.func(args)
     except TierserveError as exc:
         print(f"error: {exc}", file=sys.stderr)

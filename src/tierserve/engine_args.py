@@ -4,6 +4,8 @@ and choice is stated once, and a new field is a new flag.
 
 Flags given on the command line are remembered (`explicit(args)`): a YAML config fills
 only the settings the command line did not give, even where a flag was given its default.
+A boolean field is a pair of switches, as in vLLM: `--enable-prefix-caching` and
+`--no-enable-prefix-caching`.
 """
 
 import argparse
@@ -13,12 +15,16 @@ import types
 from dataclasses import MISSING, fields
 
 from tierserve.config import (DEPLOYMENTS, DTYPES, LOAD_FORMATS, POLICIES, CacheConfig,
-                              EngineConfig, ModelConfig, SchedulerConfig, TierConfig)
+                              EngineConfig, ModelConfig, SchedulerConfig, TierConfig,
+                              resolve_dtype)
 
 SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
             ("tiers", TierConfig))
 CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "policy": POLICIES,
            "deployment": DEPLOYMENTS}
+CONVERT = {"dtype": resolve_dtype}
+"""Flags whose value is rewritten on parsing, so code reading `args` (the benchmarks echo
+args.dtype) sees `bfloat16` where `auto` was given."""
 YAML_ONLY = {"slo"}
 """Fields with no flag (structures): set in the YAML config."""
 _EXPLICIT = "_explicit_flags"
@@ -56,8 +62,16 @@ class Remember(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, self.const if self.switch else values)
-        given = set(getattr(namespace, _EXPLICIT, set()))
-        setattr(namespace, _EXPLICIT, given | {self.dest})
+        mark_explicit(namespace, self.dest)
+
+
+class RememberSwitch(argparse.BooleanOptionalAction):
+    """`--flag` / `--no-flag` (argparse's BooleanOptionalAction) that also notes the
+    setting as given on the command line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        mark_explicit(namespace, self.dest)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -73,19 +87,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             help_text = docs.get(f.name, "").replace("%", "%%")
             flag = "--" + f.name.replace("_", "-")
             if kind is bool:
-                if default:  # only switches that turn something off exist
-                    flag = "--no-" + f.name.replace("_", "-")
-                group.add_argument(flag, dest=f.name, action=Remember, const=not default,
-                                   default=default, help=help_text)
+                group.add_argument(flag, dest=f.name, action=RememberSwitch, default=default,
+                                   help=f"{help_text} (default: {'on' if default else 'off'})")
                 continue
-            group.add_argument(flag, dest=f.name, action=Remember, type=kind,
+            group.add_argument(flag, dest=f.name, action=Remember,
+                               type=CONVERT.get(f.name, kind),
                                default=default, choices=CHOICES.get(f.name),
                                help=help_text if default is None
                                else f"{help_text} (default: {default})")
 
 
 def explicit(args) -> set[str]:
-    """The settings given on the command line (flags whose action is `Remember`)."""
+    """The settings given on the command line (flags whose action is `Remember` or
+    `RememberSwitch`)."""
     return set(getattr(args, _EXPLICIT, set()))
 
 

@@ -189,7 +189,9 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
     # on every request: 9% of a gateway's CPU at its ceiling. tierserve exports Prometheus.
     quiet = {"telemetry": {"tracing": False, "metrics": False, "logs": False}} \
         if "telemetry" in inspect.signature(FastAPI).parameters else {}
-    app = FastAPI(title="tierserve", lifespan=lifespan, **quiet)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} \
+        if settings.disable_fastapi_docs else {}
+    app = FastAPI(title="tierserve", lifespan=lifespan, **quiet, **docs)
     app.state.tierserve = state
     if isinstance(backend, (AsyncEngine, DedicatedEngines)):
         backend = LocalBackend(backend)

@@ -64,6 +64,16 @@ def default_model_name(model: str | None, load_format: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def api_key(args) -> str | None:
+    """--api-key given on the command line, else $TIERSERVE_API_KEY, else the YAML's
+    `api_key` (the environment beats the file, as for admin_key)."""
+    from tierserve.engine_args import explicit
+
+    if "api_key" in explicit(args):
+        return args.api_key
+    return os.environ.get("TIERSERVE_API_KEY") or args.api_key
+
+
 def build(args):
     from tierserve.engine_args import engine_config_from_args, mark_explicit
     from tierserve.server.settings import ServerSettings
@@ -74,7 +84,7 @@ def build(args):
     extra = merge_config(args, load_yaml(args.config)) if args.config else {}
     settings = ServerSettings(
         host=args.host, port=args.port, served_model_name=args.served_model_name,
-        api_keys=ServerSettings.parse_api_keys(extra.get("api_keys", {})),
+        api_keys=ServerSettings.parse_api_keys(extra.get("api_keys", {}), api_key(args)),
         strict_tiers=bool(extra.get("strict_tiers", False)), ledger=args.ledger,
         database=args.database,
         hardware=args.hardware, machine_price_per_hour=args.machine_price_per_hour,
@@ -84,7 +94,8 @@ def build(args):
         admin_key=os.environ.get("TIERSERVE_ADMIN_KEY") or extra.get("admin_key"),
         data_dir=args.data_dir, batch_max_in_flight=args.batch_max_in_flight,
         backends=ServerSettings.parse_backends(args.backend or extra.get("backends", [])),
-        fleet=ServerSettings.parse_fleet(extra.get("fleet", {})))
+        fleet=ServerSettings.parse_fleet(extra.get("fleet", {})),
+        disable_fastapi_docs=bool(args.disable_fastapi_docs))
     if "queue_limits" in extra:
         settings.queue_limits.update(extra["queue_limits"])
     for key in ("max_body_bytes", "max_n", "max_file_bytes", "max_batch_lines"):
@@ -241,6 +252,20 @@ async def build_more(settings, config, say) -> dict:
     return out
 
 
+def uvicorn_config(app, settings, access_log: bool):
+    """uvicorn's settings: its own messages from warnings up, and (unless turned off) one
+    access line per request on stdout, as vLLM prints them."""
+    import logging
+
+    import uvicorn
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            lifespan="on", access_log=access_log)
+    if access_log:  # uvicorn writes access lines at INFO, below the warning level above
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
+    return config
+
+
 def serve(args) -> int:
     import uvicorn
 
@@ -250,8 +275,7 @@ def serve(args) -> int:
     settings, config, name = build(args)
     app = create_app(None, settings, name)
     state = app.state.tierserve
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, settings, not args.disable_uvicorn_access_log))
     url = f"http://{settings.host}:{settings.port}"
     failure: list[BaseException] = []
 

@@ -9,6 +9,11 @@ Loaded from flags and from a YAML file whose keys mirror the flags (`--max-num-s
     rate_limits: {team-a: {requests_per_minute: 600, tokens_per_minute: 200000}}
     strict_tiers: false
     queue_limits: {priority: 16, default: 128, flex: 256}
+
+`--api-key KEY` (or $TIERSERVE_API_KEY) adds one key, of the tenant `api-key`, to those of
+`api_keys`; as with any key, requests without a known key then get 401. VLLM_API_KEY is
+not read: a gateway in front of vLLM replicas may have it set as the replicas' key, which
+would then lock its own clients out.
 """
 
 import ipaddress
@@ -23,6 +28,8 @@ from tierserve.router.remote import ReplicaSpec
 from tierserve.server.limits import RateLimit
 
 TIERS = TIER_NAMES
+API_KEY_TENANT = "api-key"
+"""Tenant of the key of --api-key: every tier, weight 1, its own prefix cache."""
 
 
 @dataclass
@@ -99,6 +106,8 @@ class ServerSettings:
     engine."""
     fleet: FlowConfig = field(default_factory=FlowConfig)
     """Fleet mode's flow control (router.flow.FlowConfig)."""
+    disable_fastapi_docs: bool = False
+    """Serve no /docs, /redoc or /openapi.json."""
     models: dict[str, dict] = field(default_factory=dict)
     """More in-process models served beside the main one: name -> engine options
     (`model`, `max_num_seqs`, `dtype`, `load_format`, ...; the rest from the main one)."""
@@ -203,7 +212,11 @@ class ServerSettings:
         return prices
 
     @staticmethod
-    def parse_api_keys(raw: dict) -> dict[str, Tenant]:
+    def parse_api_keys(raw: dict, api_key: str | None = None) -> dict[str, Tenant]:
+        """YAML `api_keys`, plus `api_key` (--api-key) as a key of API_KEY_TENANT unless
+        the YAML already gives that key a tenant."""
+        if api_key is not None and not api_key.strip():
+            raise ConfigError("--api-key must not be empty")
         keys = {}
         for key, spec in (raw or {}).items():
             if isinstance(spec, str):
@@ -222,6 +235,8 @@ class ServerSettings:
             group = spec.get("cache_group")
             keys[str(key)] = Tenant(str(spec["tenant"]), list(spec.get("tiers", TIERS)),
                                     weight, None if group is None else str(group))
+        if api_key is not None:
+            keys.setdefault(api_key, Tenant(API_KEY_TENANT))
         by_name: dict[str, Tenant] = {}
         for tenant in keys.values():  # one tenant's keys must agree on what it shares
             seen = by_name.setdefault(tenant.name, tenant)

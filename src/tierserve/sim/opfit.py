@@ -17,7 +17,7 @@ NOTE: the curve
     shape for more parameters to take (on the A100 the median residual of every
     (log2 T, TP) bucket is within 9%).
 
-    The profiles (../shared/data/profiling/<gpu>/<Model>.mlp.csv, microsoft/vidur, MIT) time
+    The profiles (data/profiling/<gpu>/<Model>.mlp.csv, microsoft/vidur, MIT) time
     each operator of a decoder layer for token counts 1..4096 and tensor-parallel degrees
     1..8; the four linear layers are the QKV projection, the output projection, the fused
     gate+up projection and the down projection. Pure Python: no torch, no numpy.

@@ -136,7 +136,7 @@ def diurnal_arrivals(rng: random.Random, n: int, rate: float, peak: float, perio
 def read_trace(path: str, speed: float, limit: int | None, rng: random.Random,
                opts: dict) -> list[SimRequest]:
     """A trace CSV (arrived_at, num_prefill_tokens, num_decode_tokens), as in
-    ../shared/data/traces; `speed` > 1 replays it faster. Tiers drawn as in `opts`."""
+    the repository's data/traces; `speed` > 1 replays it faster. Tiers drawn as in `opts`."""
     try:
         with open(path, newline="") as f:
             rows = list(csv.DictReader(f))
