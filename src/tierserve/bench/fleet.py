@@ -104,6 +104,7 @@ def tierserve(*args: str, threads: int = 2) -> Proc:
     profile = REPO / "src/tierserve/sim/profiles/cpu/smollm2-135m.json"
     return Proc([sys.executable, "-m", "tierserve.cli", "serve", "--port", "{port}",
                  "--no-ledger", "--no-batches", "--step-time-profile", str(profile),
+                 "--disable-uvicorn-access-log",  # as measured before the log existed
                  "--machine-price-per-hour", "1.0", *args],
                 env={"OMP_NUM_THREADS": str(threads)})
 
@@ -116,6 +117,7 @@ def gateway(backends: list[dict], fleet: dict | None = None, slo: dict | None = 
     cfg.close()
     return Proc([sys.executable, "-m", "tierserve.cli", "serve", "--port", "{port}",
                  "--config", cfg.name, "--ledger", cfg.name + ".db", "--no-batches",
+                 "--disable-uvicorn-access-log",  # a line per request costs gateway CPU
                  "--machine-price-per-hour", "1.0"])
 
 

@@ -88,7 +88,7 @@ def start_server(args, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port),
-           "--served-model-name", "bench", "--dtype", args.dtype,
+           "--disable-uvicorn-access-log", "--served-model-name", "bench", "--dtype", args.dtype,
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.model:
