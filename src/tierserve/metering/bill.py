@@ -242,8 +242,8 @@ def plot(summary: dict, path: str) -> None:
     try:
         fig = figure(summary)
     except ImportError:
-        raise TierserveError("--plot needs matplotlib, which is not installed "
-                             "(pip install matplotlib)") from None
+        raise TierserveError("--plot needs matplotlib: pip install 'tierserve[plot]'") \
+            from None
     fig.savefig(path, format="png", dpi=100)
 
 

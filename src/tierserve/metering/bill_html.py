@@ -119,7 +119,7 @@ def plots(summary: dict) -> str:
         fig = figure(summary)
     except ImportError:
         return ("<p class=\"note\" id=\"no-plots\">Plots left out: matplotlib is not "
-                "installed (pip install matplotlib).</p>")
+                "installed (pip install 'tierserve[plot]').</p>")
     return f"<figure>\n{svg(fig)}\n</figure>"
 
 

@@ -1,7 +1,7 @@
 """A seeded customer-service workload: first turns and simple questions (label `simple`)
 and multi-turn hard problems and ticket summaries (label `hard`), as chat requests.
 
-The story in DESIGN.md: a support assistant for a shop. Simple turns are greetings,
+The story in docs/design.md: a support assistant for a shop. Simple turns are greetings,
 thanks, opening hours, where an order is; hard ones are troubleshooting over several
 turns, disputed refunds and summaries of long tickets. The phrasing is drawn from
 templates with random slots, so a router cannot learn one sentence per class; some simple
