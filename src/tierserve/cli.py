@@ -66,7 +66,7 @@ def cmd_bill(args) -> int:
     import os
 
     from tierserve.db import is_postgres
-    from tierserve.metering.bill import run
+    from tierserve.metering.bill_html import run
 
     if not is_postgres(args.ledger) and not os.path.exists(args.ledger):
         raise TierserveError(f"no ledger at {args.ledger} (serve writes one; --ledger PATH)")
@@ -201,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also write the bill, its findings and its plots as one "
                            "self-contained HTML page (no external requests)")
     bill.set_defaults(func=cmd_bill)
+    from tierserve.forecast.cli import add_parser as add_forecast_parser
+    add_forecast_parser(sub)
 
     from tierserve.sim.cli import add_parsers as add_sim_parsers
     add_sim_parsers(sub)

@@ -11,7 +11,6 @@ import io
 import json
 import re
 import statistics
-import time
 from collections import defaultdict
 from datetime import datetime, timezone
 
@@ -245,20 +244,3 @@ def plot(summary: dict, path: str) -> None:
         raise TierserveError("--plot needs matplotlib: pip install 'tierserve[plot]'") \
             from None
     fig.savefig(path, format="png", dpi=100)
-
-
-def run(args) -> int:
-    now = time.time()
-    since, until = parse_time(args.since, now), parse_time(args.until, now)
-    rows, idle = load(args.ledger, since, until)
-    summary = summarize(rows, idle, args.by, getattr(args, "large", None))
-    print(render(summary, args.format))
-    if args.plot:
-        plot(summary, args.plot)
-    if args.html:
-        from tierserve.metering.bill_html import render_html
-        page = render_html(summary, rows, idle, ledger=args.ledger, since=since,
-                           until=until, now=now)
-        with open(args.html, "w", encoding="utf-8") as f:
-            f.write(page)
-    return 0

@@ -8,10 +8,12 @@ are the text bill's (the same summary, each value formatted by the same `fmt_val
 
 import html
 import io
+import time
 from datetime import datetime, timezone
 
 from tierserve.db import is_postgres, redact
-from tierserve.metering.bill import columns, figure, fmt_value
+from tierserve.metering.bill import (columns, figure, fmt_value, load, parse_time, plot,
+                                     render, summarize)
 
 CSS = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 72em;
@@ -138,3 +140,21 @@ def svg(fig) -> str:
 
 def _utc(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def run(args) -> int:
+    """`tierserve bill`: the text (or JSON, CSV) bill, and with --plot and --html its
+    plot and page. Here, not in bill.py, so that bill.py need not import this module."""
+    now = time.time()
+    since, until = parse_time(args.since, now), parse_time(args.until, now)
+    rows, idle = load(args.ledger, since, until)
+    summary = summarize(rows, idle, args.by, getattr(args, "large", None))
+    print(render(summary, args.format))
+    if args.plot:
+        plot(summary, args.plot)
+    if args.html:
+        page = render_html(summary, rows, idle, ledger=args.ledger, since=since,
+                           until=until, now=now)
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(page)
+    return 0

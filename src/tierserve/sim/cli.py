@@ -8,6 +8,9 @@ from tierserve.core.request import TIER_NAMES as TIERS
 from tierserve.errors import TierserveError
 
 BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
+# `plan` grid defaults (deployments, max_num_seqs, budgets): one workload, or every hour
+PLAN_DEFAULTS = {"workload": ("shared,dedicated", "16,64,256", "2048,8192"),
+                 "forecast": ("shared", "256", "2048")}
 
 
 class Bar:
@@ -75,6 +78,10 @@ def cmd_sim(args) -> int:
     from tierserve.sim.report import plot, render, summarize
     from tierserve.sim.workload import make_workload
 
+    if args.schedule:  # a schedule replayed on a weekly workload: its own report
+        from tierserve.sim.replay import run as replay
+
+        return replay(args)
     slo = parse_slo(args.slo)
     machine = machine_for(resolve(args.model), args.hardware, args.tp, args.dtype_bytes,
                           args.block_size, args.num_kv_blocks, args.machine_price_per_hour,
@@ -142,13 +149,28 @@ def cmd_plan(args) -> int:
     from tierserve.sim.workload import make_workload
 
     slo = parse_slo(args.slo)
+    if args.hybrid:
+        return _plan_hybrid(args, slo)
     planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
                       args.block_size, args.router, args.dedicated_replicas,
                       args.dedicated_max_num_seqs)
     hardware = parse_list(args.hardware, str, "--hardware")
-    deployments = parse_list(args.deployments, str, "--deployments")
-    seqs = parse_list(args.max_num_seqs, int, "--max-num-seqs")
-    budgets = parse_list(args.max_num_batched_tokens, int, "--max-num-batched-tokens")
+    # --forecast plans every hour, so its grid defaults are smaller (see PLAN_DEFAULTS)
+    mode = "forecast" if args.forecast else "workload"
+    deployments = parse_list(args.deployments or PLAN_DEFAULTS[mode][0], str, "--deployments")
+    seqs = parse_list(args.max_num_seqs or PLAN_DEFAULTS[mode][1], int, "--max-num-seqs")
+    budgets = parse_list(args.max_num_batched_tokens or PLAN_DEFAULTS[mode][2], int,
+                         "--max-num-batched-tokens")
+    if args.forecast:
+        from tierserve.sim.hourly import run as plan_hours
+        from tierserve.sim.plan import Cell
+
+        planner.machine(hardware[0])  # the model must fit; only the first is planned on
+        if len(deployments) != 1:
+            raise TierserveError("--forecast plans one deployment: give --deployments "
+                                 "shared or dedicated")
+        return plan_hours(args, planner, [Cell(hardware[0], deployments[0], s, b)
+                                          for s in seqs for b in budgets])
     workload = make_workload(args.workload)
     start = time.perf_counter()
     bar = Bar("plan: configurations")
@@ -173,6 +195,26 @@ def cmd_plan(args) -> int:
         * len(budgets)
     print(render(fits, curve, desc, searched, planner.num_simulations, args.top,
                  planner.skipped, args.format))
+    return 0
+
+
+def _plan_hybrid(args, slo: dict) -> int:
+    from tierserve.model.metadata import resolve
+    from tierserve.sim.hybrid import compare
+
+    hardware = parse_list(args.hardware, str, "--hardware")[0]
+    start = time.perf_counter()
+    result = compare(resolve(args.model), resolve(args.hybrid), hardware,
+                     args.hybrid_hardware or hardware, slo, args.hybrid_requests,
+                     args.hybrid_rate, args.seed, args.max_replicas,
+                     parse_list(args.max_num_seqs or "64,256", int, "--max-num-seqs"),
+                     parse_list(args.max_num_batched_tokens or "2048", int,
+                                "--max-num-batched-tokens"),
+                     args.attainment, args.hard_share, args.tp)
+    print(f"plan --hybrid: {time.perf_counter() - start:.1f} s of wall time", file=sys.stderr)
+    print(f"customer-service conversations: {args.hybrid_requests} at "
+          f"{args.hybrid_rate:g}/s, {args.hard_share:.0%} hard (route/conversations.py)")
+    print(result.render(args.hybrid, args.model))
     return 0
 
 
@@ -245,6 +287,15 @@ def add_parsers(sub) -> None:
     sim.add_argument("--prompt-tokens", type=int, default=512, help="for fast-vs-batch")
     sim.add_argument("--output-tokens", type=int, default=256, help="for fast-vs-batch")
     sim.add_argument("--format", default="table", choices=["table", "json"])
+    r = sim.add_argument_group("schedule replay (from `tierserve plan --forecast --out`)")
+    r.add_argument("--schedule", default=None, metavar="SCHEDULE.yaml",
+                   help="replay the schedule (its hardware, model and SLOs) on --workload "
+                        "weekly:peak=180,swing=5,weekend=0.5,noise=0.1,batch=0,days=7,... "
+                        "beside the static fleets sized for the peak and for the mean")
+    r.add_argument("--window-s", type=float, default=5.0,
+                   help="simulated seconds standing for each hour (5)")
+    r.add_argument("--max-replicas", type=int, default=16,
+                   help="largest static fleet searched (16)")
     sim.set_defaults(func=cmd_sim)
 
     plan = sub.add_parser("plan", help="the cheapest fleets meeting every SLO for a "
@@ -259,11 +310,12 @@ def add_parsers(sub) -> None:
                       help="candidate hardware profiles (default h100-sxm,a100-80gb)")
     _add_model_args(plan)
     plan.add_argument("--max-replicas", type=int, default=4)
-    plan.add_argument("--max-num-seqs", default="16,64,256", help="candidates (16,64,256)")
-    plan.add_argument("--max-num-batched-tokens", default="2048,8192",
-                      help="candidates (2048,8192)")
-    plan.add_argument("--deployments", default="shared,dedicated",
-                      help="candidates (shared,dedicated)")
+    plan.add_argument("--max-num-seqs", default=None,
+                      help="candidates (16,64,256; with --forecast 256)")
+    plan.add_argument("--max-num-batched-tokens", default=None,
+                      help="candidates (2048,8192; with --forecast 2048)")
+    plan.add_argument("--deployments", default=None,
+                      help="candidates (shared,dedicated; with --forecast one: shared)")
     plan.add_argument("--top", type=int, default=5, help="configurations to list (5)")
     plan.add_argument("--priority-fractions", default="0,0.1,0.2,0.5,1",
                       help="priority shares of the fast-mode curve (0,0.1,0.2,0.5,1)")
@@ -272,4 +324,31 @@ def add_parsers(sub) -> None:
     plan.add_argument("--no-fast-mode-curve", action="store_true",
                       help="skip the fast-mode curve")
     plan.add_argument("--format", default="table", choices=["table", "json"])
+    h = plan.add_argument_group("hybrid: a small model's fast lane beside the large model")
+    h.add_argument("--hybrid", default=None, metavar="SMALL",
+                   help="compare all requests on --model in the priority tier with simple "
+                        "turns on SMALL (priority) and hard ones on --model (default), on "
+                        "the customer-service workload; needs --slo priority= and default=")
+    h.add_argument("--hybrid-hardware", default=None,
+                   help="hardware of the small model's pool (default: the first --hardware)")
+    h.add_argument("--hybrid-requests", type=int, default=600)
+    h.add_argument("--hybrid-rate", type=float, default=10.0, help="arrivals per second")
+    h.add_argument("--hard-share", type=float, default=0.3)
+    h.add_argument("--seed", type=int, default=0)
+    f = plan.add_argument_group("hour by hour (from `tierserve forecast --out`)")
+    f.add_argument("--forecast", default=None, metavar="FILE",
+                   help="plan each forecast hour (on the first --hardware) and print the "
+                        "schedule: replicas, max_num_seqs, budget, reserved priority slots, "
+                        "batch hours")
+    f.add_argument("--prewarm", default="30m",
+                   help="lead time: capacity is ready this long before its hour (30m)")
+    f.add_argument("--out", default=None, metavar="SCHEDULE.yaml",
+                   help="write the schedule (YAML) for `sim --schedule` and the server")
+    f.add_argument("--headroom", default="mape",
+                   help="plan for the forecast raised by this fraction; mape (default): by "
+                        "the forecast's backtest MAPE")
+    f.add_argument("--window-s", type=float, default=5.0,
+                   help="simulated seconds standing for each hour (5)")
+    f.add_argument("--min-batch-hours", type=int, default=6,
+                   help="batch hours per day at least, the quietest (6)")
     plan.set_defaults(func=cmd_plan)
