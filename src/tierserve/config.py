@@ -16,6 +16,7 @@ checkpoint (quantized GGUF blocks included) to one compute dtype, so auto is tha
 POLICIES = ("fcfs", "priority", "tiered")
 DEPLOYMENTS = ("shared", "dedicated")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+QUANTIZATIONS = ("none", "int8", "gguf")
 
 
 def resolve_dtype(name: str) -> str:
@@ -41,6 +42,11 @@ class ModelConfig:
     """Longest prompt + output in tokens; default the model's context length, capped at 8192."""
     seed: int = 0
     """Seed for dummy weights and for requests that bring no seed of their own."""
+    quantization: str = "none"
+    """Linear weights kept packed: none (the dtype; oneDNN-packed on CPUs), int8
+    (weight-only, per output channel, any checkpoint) or gguf (a GGUF file's Q4_0/Q4_1/Q4_K
+    blocks as int4 groups, its other quantized types as int8); the lm_head is int8 in both.
+    CPU kernels for bfloat16; other dtypes and devices dequantize per call."""
 
     def __post_init__(self) -> None:
         self.dtype = resolve_dtype(self.dtype)
@@ -48,6 +54,9 @@ class ModelConfig:
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {self.quantization!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, "
                               f"got {self.load_format!r}")

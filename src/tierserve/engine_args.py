@@ -14,14 +14,14 @@ import inspect
 import types
 from dataclasses import MISSING, fields
 
-from tierserve.config import (DEPLOYMENTS, DTYPES, LOAD_FORMATS, POLICIES, CacheConfig,
-                              EngineConfig, ModelConfig, SchedulerConfig, TierConfig,
-                              resolve_dtype)
+from tierserve.config import (DEPLOYMENTS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS,
+                              CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                              TierConfig, resolve_dtype)
 
 SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
             ("tiers", TierConfig))
 CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "policy": POLICIES,
-           "deployment": DEPLOYMENTS}
+           "deployment": DEPLOYMENTS, "quantization": QUANTIZATIONS}
 CONVERT = {"dtype": resolve_dtype}
 """Flags whose value is rewritten on parsing, so code reading `args` (the benchmarks echo
 args.dtype) sees `bfloat16` where `auto` was given."""

@@ -5,6 +5,11 @@ Tensor names are translated to Hugging Face names here, once, so the weight mapp
 `loader.py` knows one naming. llama.cpp's converter permutes the rows of Q and K of
 `llama`-architecture models (to interleave the rotary pairs); we undo that so the model
 uses the rotate-half layout of the Hugging Face checkpoints.
+
+Gemma 3 has two more norms a layer and q/k norms, and its `ffn_norm` is the pre-MLP norm
+(Llama's post_attention_layernorm has that role). Its RMSNorm multiplies by (1 + w); the
+converter stored 1 + w, which is what our plain RMSNorm wants, so those weights are kept
+as they are (transformers subtracts the 1 and adds it back in its forward).
 """
 
 import re
@@ -26,6 +31,11 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs",
@@ -45,7 +55,7 @@ class GGUFCheckpoint(GGUFMetadata):
                 raise UnsupportedModelError(
                     f"{self.path}: tensor {t.name} uses quantization type {qtype}, which "
                     f"tierserve does not load (supported: {', '.join(SUPPORTED_QUANTS)})")
-            name = hf_name(t.name)
+            name = hf_name(t.name, self.arch)
             if name is None:
                 continue
             try:
@@ -63,12 +73,13 @@ class GGUFCheckpoint(GGUFMetadata):
             yield name, tensor
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     return None
 
 

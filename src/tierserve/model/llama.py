@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, and Gemma 3) over a paged
+KV cache.
 
 Reads top to bottom: embedding -> N x (attention, MLP) -> norm -> logits. Every input is
 explicit: `forward(input_ids, positions, attn, kv_caches)`; nothing hides in globals.
@@ -13,10 +14,17 @@ then attends:
     its cached context gathered by block table when it continues a chunk or a cached prefix.
 A key is visible to a query when key position <= query position, which masks both the
 future and the padding of the gathered blocks.
+
+Gemma 3 is this decoder with the ModelShape flags set (shapes.py): q/k norms, norms on the
+attention and MLP outputs, GeGLU, scaled embeddings, its attention scale, and sliding-window
+layers. A sliding layer keeps every key in the cache like a global one and masks keys more
+than `sliding_window - 1` positions behind the query (`sliding_window_metadata`), with its
+own RoPE base. Dropping those keys from the cache would save memory; that is not done.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +42,8 @@ class PrefillChunk:
     block_table: Tensor | None
     """[num_blocks] long, when the chunk attends to cached context; None when it starts at 0."""
     mask: Tensor | None
-    """[q, num_blocks * block_size] bool, True where a key is visible."""
+    """[q, num_blocks * block_size] bool, True where a key is visible; for a chunk from 0,
+    None (causal) or, in a sliding-window layer, [q, q]."""
 
 
 @dataclass
@@ -55,13 +64,16 @@ class AttentionMetadata:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotate-half RoPE, with linear or llama3 frequency scaling."""
+    """cos/sin tables for rotate-half RoPE, with linear or llama3 frequency scaling.
+    `local`: the tables of sliding-window layers (their own base, never scaled)."""
 
-    def __init__(self, shape: ModelShape, max_positions: int):
+    def __init__(self, shape: ModelShape, max_positions: int, local: bool = False):
         super().__init__()
         d = shape.head_dim
-        inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-        self.inv_freq = _scale_frequencies(inv_freq, shape.rope_scaling)  # [d/2] float64
+        theta = (shape.rope_local_theta or shape.rope_theta) if local else shape.rope_theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        scaling = None if local else shape.rope_scaling
+        self.inv_freq = _scale_frequencies(inv_freq, scaling)             # [d/2] float64
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
@@ -122,14 +134,27 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(shape.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=shape.attention_bias)
         self.o_proj = nn.Linear(self.q_size, shape.hidden_size, bias=False)
+        self.eps = shape.rms_norm_eps
+        self.q_norm = nn.Parameter(torch.ones(self.head_dim)) if shape.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(self.head_dim)) if shape.qk_norm else None
+        # SDPA and the decode kernel scale scores by head_dim ** -0.5; a model that wants
+        # query_pre_attn_scalar ** -0.5 instead gets q pre-multiplied by the ratio.
+        scalar = shape.query_pre_attn_scalar or self.head_dim
+        self.q_scale = (self.head_dim / scalar) ** 0.5
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionMetadata,
                 kv_cache: tuple[Tensor, Tensor]) -> Tensor:
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads rotate together: one RoPE call per layer.
-        qk = apply_rope(qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k heads rotate together: one RoPE call per layer
+            q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            q = apply_rope(_rms_norm(q, self.q_norm, self.eps), *rope)
+            k = apply_rope(_rms_norm(k, self.k_norm, self.eps), *rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache                           # [blocks, block_size, Hkv, d]
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, attn.slot_mapping, k)
@@ -161,12 +186,12 @@ class Attention(nn.Module):
     def _prefill(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                  chunk: PrefillChunk) -> Tensor:
         qc = q[chunk.start:chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if chunk.block_table is None:
-            keys, values, mask = k[chunk.start:chunk.end], v[chunk.start:chunk.end], None
+        if chunk.block_table is None:  # mask: None (causal) but in a sliding window
+            keys, values = k[chunk.start:chunk.end], v[chunk.start:chunk.end]
         else:
             keys = _gather_blocks(k_cache, chunk.block_table)       # [L, Hkv, d]
             values = _gather_blocks(v_cache, chunk.block_table)
-            mask = chunk.mask
+        mask = chunk.mask
         o = F.scaled_dot_product_attention(
             qc, keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, enable_gqa=True)
@@ -184,33 +209,80 @@ def _gather_blocks(cache: Tensor, block_tables: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
+    """Gated MLP: SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
+
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.gate_up_proj = nn.Linear(shape.hidden_size, 2 * shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=False)
+        self.act = F.silu if shape.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: ModelShape):
+    """h + attn(norm(h)), then h + mlp(norm(h)); with `post_norms` (Gemma) the attention
+    and MLP outputs are normed too before they are added."""
+
+    def __init__(self, shape: ModelShape, index: int):
         super().__init__()
         self.eps = shape.rms_norm_eps
+        self.sliding = shape.is_sliding(index)
         self.input_norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.attn = Attention(shape)
-        self.post_attn_norm = nn.Parameter(torch.ones(shape.hidden_size))
+        self.mlp_norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.mlp = MLP(shape)
+        post = shape.post_norms
+        self.attn_out_norm = nn.Parameter(torch.ones(shape.hidden_size)) if post else None
+        self.mlp_out_norm = nn.Parameter(torch.ones(shape.hidden_size)) if post else None
 
     def forward(self, h: Tensor, rope: tuple[Tensor, Tensor], attn: AttentionMetadata,
                 kv_cache: tuple[Tensor, Tensor]) -> Tensor:
-        h = h + self.attn(_rms_norm(h, self.input_norm, self.eps), rope, attn, kv_cache)
-        return h + self.mlp(_rms_norm(h, self.post_attn_norm, self.eps))
+        a = self.attn(_rms_norm(h, self.input_norm, self.eps), rope, attn, kv_cache)
+        if self.attn_out_norm is not None:
+            a = _rms_norm(a, self.attn_out_norm, self.eps)
+        h = h + a
+        m = self.mlp(_rms_norm(h, self.mlp_norm, self.eps))
+        if self.mlp_out_norm is not None:
+            m = _rms_norm(m, self.mlp_out_norm, self.eps)
+        return h + m
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def sliding_window_metadata(attn: AttentionMetadata, positions: Tensor, window: int,
+                            block_size: int) -> AttentionMetadata:
+    """The step as a sliding-window layer sees it: a key is visible to a query when
+    query position - window < key position <= query position. Only the masks change (the
+    decode kernel has no window, so decodes take the masked torch path); a step whose
+    queries all sit below `window` is returned as it is."""
+    if int(positions.max()) < window:
+        return attn
+    decode_mask = None
+    if attn.num_decodes:
+        lens = attn.decode_context_lens.unsqueeze(1)                       # [D, 1]
+        width = attn.decode_block_tables.shape[1] * block_size
+        key_pos = torch.arange(width, device=lens.device)
+        decode_mask = ((key_pos < lens) & (key_pos >= lens - window))[:, None, None, :]
+    prefills = [_window_chunk(c, positions[c.start:c.end], window) for c in attn.prefills]
+    return replace(attn, decode_mask=decode_mask, decode_kernel=None, prefills=prefills)
+
+
+def _window_chunk(chunk: PrefillChunk, query_pos: Tensor, window: int) -> PrefillChunk:
+    if int(query_pos[-1]) < window:
+        return chunk
+    if chunk.block_table is None:         # keys are the chunk's own tokens, from position 0
+        key_pos = query_pos
+        causal = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
+    else:
+        key_pos = torch.arange(chunk.mask.shape[1], device=query_pos.device)
+        causal = chunk.mask
+    in_window = key_pos.unsqueeze(0) > query_pos.unsqueeze(1) - window      # [n, L]
+    return replace(chunk, mask=causal & in_window)
 
 
 class LlamaModel(nn.Module):
@@ -219,7 +291,9 @@ class LlamaModel(nn.Module):
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.rope = RotaryEmbedding(shape, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(shape) for _ in range(shape.num_layers))
+        self.rope_local = RotaryEmbedding(shape, max_positions, local=True) \
+            if shape.sliding_window else None
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i in range(shape.num_layers))
         self.norm = nn.Parameter(torch.ones(shape.hidden_size))
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
@@ -229,9 +303,14 @@ class LlamaModel(nn.Module):
                 kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        if self.shape.embed_scale != 1.0:
+            h = h * self.shape.embed_scale
         rope = self.rope(positions, h.dtype)
+        if self.rope_local is not None:
+            local = (self.rope_local(positions, h.dtype), sliding_window_metadata(
+                attn, positions, self.shape.sliding_window, kv_caches[0][0].shape[1]))
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, rope, attn, kv_cache)
+            h = layer(h, *local, kv_cache) if layer.sliding else layer(h, rope, attn, kv_cache)
         return _rms_norm(h, self.norm, self.shape.rms_norm_eps)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

