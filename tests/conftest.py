@@ -77,16 +77,30 @@ def default_model_path():
 _ENGINES: dict = {}
 
 
+MAX_CACHED_ENGINES = 3
+"""A float32 engine holds about 2.7 GB (its KV pool most of it): caching every
+configuration for the whole session outgrew the machine's 24 GiB once the suite had a
+dozen of them. Tests of one file share a configuration, so the last three suffice."""
+
+
 def get_engine(**kwargs):
-    """A float32 engine on the default model, cached per configuration for the session."""
+    """A float32 engine on the default model, cached per configuration (the most recently
+    used few, see MAX_CACHED_ENGINES)."""
+    import gc
+
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
 
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("priority_step_time_s", 0)  # no cap, no calibration unless asked
     key = repr(sorted(kwargs.items()))  # repr: values may be dicts (slo)
-    if key not in _ENGINES:
-        _ENGINES[key] = LLMEngine(engine_config(**kwargs))
+    if key in _ENGINES:
+        _ENGINES[key] = _ENGINES.pop(key)  # most recently used last
+        return _ENGINES[key]
+    while len(_ENGINES) >= MAX_CACHED_ENGINES:
+        _ENGINES.pop(next(iter(_ENGINES)))
+        gc.collect()
+    _ENGINES[key] = LLMEngine(engine_config(**kwargs))
     return _ENGINES[key]
 
 
