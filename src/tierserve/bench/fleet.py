@@ -1,6 +1,9 @@
 """Fleet mode's figures: tierserve's gateway in front of real replicas on this machine,
 each scenario measured side by side with the replicas alone in one run.
 
+About 460 lines, kept whole: the scenarios share one process harness and load client, and
+each is a short function; splitting would scatter one benchmark's config over files.
+
     overhead    gateway + one vLLM replica vs the replica alone, concurrency 16
     fastlane    priority probes during a default flood at concurrency 64: idle vs flooded
                 TTFT/ITL p99, through the gateway vs vLLM alone (its own priority field)

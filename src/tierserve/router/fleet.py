@@ -1,6 +1,9 @@
 """Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
 checks, retries and metering.
 
+About 430 lines, kept whole: a request's dispatch, retry, metering and single finish share
+the `_Request` record and must stay in one place for "finishes exactly once" to be readable.
+
 NOTE: one request's life
     `submit` queues it at the gateway (router/flow.py decides when and where it goes); the
     dispatcher sends it and streams the replica's chunks back as RequestOutputs, feeding
