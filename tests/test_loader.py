@@ -228,8 +228,8 @@ def test_dummy_presets():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads, dim):
-    from tierserve.model import cpu_attention
-    kernel = cpu_attention.load()
+    from tierserve.model import cpu_attention, kernels
+    kernel = kernels.load()
     if kernel is None:
         pytest.skip("no C++ toolchain: the torch path is used instead")
     gen = torch.Generator().manual_seed(0)

@@ -21,7 +21,12 @@ NOTE: what is timed
 """
 
 import dataclasses
+import hashlib
+import json
+import os
+import platform
 import random
+from pathlib import Path
 
 from tierserve.core.stats import StatsCollector
 from tierserve.core.step_time import StepTimeModel
@@ -86,3 +91,71 @@ def _run_batch(engine, num: int, prompt_len: int, max_tokens: int, rng, vocab: i
             st = collector.steps[-1]
             samples.append(([(s.num_tokens, s.context_len) for s in st.seqs],
                             engine.clock.now() - begin if whole_step else st.duration_s))
+
+
+# ------------------------------------------------------------------ the cache
+def cache_path(engine) -> Path:
+    """Where this engine's calibration is kept: one file per machine and configuration.
+
+    NOTE: why a cache. Calibrating takes 10-20 s of every start; the fit depends only on
+    the machine, the software and the engine's shape, so the key holds all three (CPU
+    model, threads, torch, the kernels' source, the model file, dtype, quantization,
+    device, block and batch limits). `tierserve calibrate` still measures afresh, and
+    deleting the file (or TIERSERVE_CACHE_DIR pointing elsewhere) forces a new fit."""
+    import torch
+
+    from tierserve.model import cpu_attention, cpu_step, kernels
+
+    mc, cc, sc = engine.config.model, engine.config.cache, engine.config.scheduler
+    source = engine.loaded.source
+    try:
+        size = os.path.getsize(source)
+    except (OSError, TypeError):
+        size = None
+    key = json.dumps([
+        _cpu_model(), torch.get_num_threads(), torch.__version__, platform.machine(),
+        hashlib.sha256((cpu_attention.SOURCE + cpu_step.SOURCE).encode()).hexdigest()[:16],
+        engine.runner.lean is not None, kernels.load() is not None,
+        str(source), size, mc.dtype, mc.quantization, mc.device, mc.load_format,
+        cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,
+        CACHE_VERSION])
+    name = hashlib.sha256(key.encode()).hexdigest()[:24]
+    root = Path(os.environ.get("TIERSERVE_CACHE_DIR") or Path.home() / ".cache" / "tierserve")
+    return root / "calibration" / f"{name}.json"
+
+
+CACHE_VERSION = 1
+"""Bump when the grid or the fit changes: older files are then not read."""
+
+
+def calibrate_cached(engine, say) -> StepTimeModel:
+    """The cached fit for this machine and configuration, or a new one (then saved)."""
+    path = cache_path(engine)
+    if path.exists():
+        try:
+            model = StepTimeModel.load(path)
+            say(f"step-time model from {path} (measured here earlier; delete it to re-measure)")
+            return model
+        except Exception:  # unreadable or from an older layout: measure again
+            pass
+    say("calibrating the step-time model (once per machine and configuration; cached)")
+    model = calibrate(engine)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        model.save(tmp, source=str(engine.loaded.source), dtype=engine.config.model.dtype,
+                   quantization=engine.config.model.quantization)
+        os.replace(tmp, path)          # atomic: two servers starting at once both read whole
+    except OSError as exc:             # a read-only home: calibrate each time, say why
+        say(f"could not cache the step-time model ({exc})")
+    return model
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

@@ -88,16 +88,13 @@ class LLMEngine:
             self._set_step_time_cap(say)
 
     def _set_step_time_cap(self, say) -> None:
-        """The tiered policy's cap: a step-time model (from a profile, or calibrated now)
+        """The tiered policy's cap: a step-time model (from a profile, or this machine's
+        cached calibration, or calibrated now)
         and the limit (explicit, else the priority TPOT SLO, else 3x a lone decode step)."""
-        from tierserve.engine.calibrate import calibrate
+        from tierserve.engine.calibrate import calibrate_cached
 
         profile = self.config.tiers.step_time_profile
-        if profile:
-            model = StepTimeModel.load(profile)
-        else:
-            say("calibrating the step-time model (tierserve calibrate saves one to reuse)")
-            model = calibrate(self)
+        model = StepTimeModel.load(profile) if profile else calibrate_cached(self, say)
         slo = self.config.tiers.slo.get("priority")
         limit = (self.config.scheduler.priority_step_time_s or (slo and slo.tpot_s)
                  or 3 * model.predict_s([(1, 256)]))

@@ -10,19 +10,14 @@ position of its KV head (each token's K and V row, all KV heads, is read once an
 contiguously), then a softmax and the weighted sum of values, all in float32. Each sequence is computed alone, so a sequence's output
 does not depend on what else is in the batch.
 
-The kernel is compiled on first use with torch's C++ extension builder (g++ and ninja;
-about a minute, cached under ~/.cache/torch_extensions). If that fails, or with
-TIERSERVE_NO_KERNELS=1, `load()` returns None and the model uses the torch path.
+The kernel is compiled with the lean step as one extension (model/kernels.py: at install
+time, or on first use). If that fails, or with TIERSERVE_NO_KERNELS=1, `kernels.load()`
+returns None and the model uses the torch path.
 """
-
-import logging
-import os
 
 import torch
 
-log = logging.getLogger(__name__)
-
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -132,33 +127,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 """
-
-_KERNEL = None
-_TRIED = False
-
-
-def load():
-    """The compiled kernel module, or None when it cannot be had (then use torch)."""
-    global _KERNEL, _TRIED
-    if _TRIED:
-        return _KERNEL
-    _TRIED = True
-    if os.environ.get("TIERSERVE_NO_KERNELS"):
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        _KERNEL = load_inline(
-            name="tierserve_paged_decode_v6", cpp_sources=[_SOURCE],
-            functions=["paged_decode"], verbose=False,
-            extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math",
-                          "-fopenmp"],
-            extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # no compiler, no ninja, odd platform: fall back, loudly
-        log.warning("paged decode kernel unavailable (%s); using the torch path", exc)
-        _KERNEL = None
-    return _KERNEL
-
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Shapes the kernel is compiled for."""

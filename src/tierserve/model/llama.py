@@ -302,9 +302,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionMetadata,
                 kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids)
-        if self.shape.embed_scale != 1.0:
-            h = h * self.shape.embed_scale
+        h = self.embed(input_ids)
         rope = self.rope(positions, h.dtype)
         if self.rope_local is not None:
             local = (self.rope_local(positions, h.dtype), sliding_window_metadata(
@@ -312,6 +310,10 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, *local, kv_cache) if layer.sliding else layer(h, rope, attn, kv_cache)
         return _rms_norm(h, self.norm, self.shape.rms_norm_eps)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        h = self.embed_tokens(input_ids)
+        return h * self.shape.embed_scale if self.shape.embed_scale != 1.0 else h
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab]."""

@@ -9,7 +9,7 @@ import torch
 
 from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 from tierserve.errors import InvalidRequestError
-from tierserve.model import cpu_attention
+from tierserve.model import cpu_attention, cpu_step, kernels
 from tierserve.model.cpu_linear import can_pack, pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
 from tierserve.sampling_params import SamplingParams
@@ -28,11 +28,15 @@ class ModelRunner:
         shape = model.shape
         use_kernel = self.device.type == "cpu" and cpu_attention.supports(
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
-        self.decode_kernel = cpu_attention.load() if use_kernel else None
+        self.decode_kernel = kernels.load() if use_kernel else None
         cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
         self.kv_caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
                           for _ in range(shape.num_layers)]
+        self.lean = None
+        """The whole forward pass in one C++ call (model/cpu_step.py), where it applies."""
+        if self.decode_kernel is not None and cpu_step.supports(shape):
+            self.lean = cpu_step.LeanForward(self.decode_kernel, model, self.kv_caches)
         self.states: dict[str, SamplingState] = {}
         self._seed_stream = torch.Generator().manual_seed(seed)
 
@@ -61,7 +65,10 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         seqs = sorted(output.seqs, key=lambda s: len(s.token_ids) > 1)   # decodes first
         input_ids, positions, attn, sample_rows = self._prepare(seqs)
-        hidden = self.model(input_ids, positions, attn, self.kv_caches)
+        if self.lean is not None:
+            hidden = self.lean(self.model.embed(input_ids), positions, attn)
+        else:
+            hidden = self.model(input_ids, positions, attn, self.kv_caches)
         sampled = [s for s in seqs if s.sample]
         if not sampled:
             return RunnerOutput()

@@ -1,0 +1,98 @@
+"""Time from `tierserve serve` to ready (`/health` answers 200), from nothing prepared, as
+`make install` leaves it, and warm.
+
+    python benchmarks/startup.py [--rounds 2] [--quantization none] [--port 8431]
+
+Each start is a new process with its own empty caches where the case says so:
+  - nothing:   no compiled kernels and no cached calibration (a user who skipped the
+               install step's kernel build): compiles, calibrates, serves;
+  - installed: the kernels built the way `make install` builds them
+               (`python -m tierserve.model.kernels`, timed too), no calibration yet;
+  - warm:      the same caches a second time.
+The page cache is dropped before each start where the machine lets us (root, and
+/proc/sys/vm/drop_caches writable), so a start reads the model file from disk; the
+output says whether it could. One line per case, the median of `--rounds` starts.
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def start_to_ready(args, env: dict, timeout_s: float = 300.0) -> float:
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--host", "127.0.0.1",
+           "--port", str(args.port), "--quantization", args.quantization,
+           "--disable-uvicorn-access-log"]
+    begin = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        while time.perf_counter() - begin < timeout_s:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve exited {proc.returncode}: {proc.stderr.read()[-500:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - begin
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"not ready after {timeout_s:.0f} s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quantization", default="none")
+    p.add_argument("--port", type=int, default=8431)
+    args = p.parse_args(argv)
+    dropped = drop_page_cache()
+    print(f"# startup machine={platform.machine()} cpus={os.cpu_count()} "
+          f"quantization={args.quantization} rounds={args.rounds} "
+          f"page_cache_dropped={'yes' if dropped else 'no (not permitted)'}", flush=True)
+    results = {"nothing": [], "installed": [], "warm": []}
+    build = []
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory() as ext, tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCH_EXTENSIONS_DIR=ext, TIERSERVE_CACHE_DIR=cache)
+            drop_page_cache()
+            results["nothing"].append(start_to_ready(args, env))
+        with tempfile.TemporaryDirectory() as ext, tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCH_EXTENSIONS_DIR=ext, TIERSERVE_CACHE_DIR=cache)
+            begin = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "tierserve.model.kernels"], env=env,
+                           check=True, capture_output=True)
+            build.append(time.perf_counter() - begin)
+            drop_page_cache()
+            results["installed"].append(start_to_ready(args, env))
+            drop_page_cache()
+            results["warm"].append(start_to_ready(args, env))
+    print(f"startup kernel build at install (python -m tierserve.model.kernels): "
+          f"{statistics.median(build):.1f} s", flush=True)
+    for case, times in results.items():
+        print(f"startup case={case} ready_s={statistics.median(times):.1f} "
+              f"(runs: {', '.join(f'{t:.1f}' for t in times)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The lean step: a Llama model's whole forward pass (every layer) in one C++ call.
+
+NOTE: why. At one sequence a decode step of SmolLM2-135M spent about 7 ms of its 19 ms
+outside the weight reads: some 40 PyTorch operators per layer, each a Python call and a
+dispatch (the RMSNorm alone decomposes into eight, 35 us per call), times 30 layers. Here
+each layer is four linear calls and four fused loops, driven from C++:
+
+    x = rmsnorm(h)                       (fused with the previous layer's residual add)
+    qkv = linear(x)
+    rope(q), rope(k); k, v -> paged cache   (one pass over the row)
+    attention: decodes by the paged kernel (cpu_attention), prefill chunks by SDPA
+    h += linear(attn); x = rmsnorm(h)    (one pass)
+    x = silu(gate) * up                  (one pass)
+    m = linear(x); the next layer's norm adds it to h
+
+The linears are the same ones the Python model holds, called as they are: oneDNN's
+packed bfloat16 (cpu_linear.py), torch's int8/int4 kernels (quant.py), a dense matmul, or,
+for anything else (a quantized layer over its dequantize threshold), the Python module
+itself. The math matches the Python path's up to rounding: the fused loops compute in
+float32 and round once, where the torch ops round after each operator.
+
+The GIL is released for the step (taken back only for a Python-module linear), so the
+server's event loop keeps answering while the engine thread computes.
+
+Llama-shaped models only: no q/k norms, no output norms, no sliding window, SiLU, the
+standard attention scale (Gemma 3 keeps the Python path). Compiled with the decode kernel
+as one extension (model/kernels.py).
+"""
+
+import torch
+from torch import Tensor, nn
+
+from tierserve.model.shapes import ModelShape
+
+SOURCE = r"""
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <pybind11/stl.h>
+#include <optional>
+
+namespace py = pybind11;
+
+enum LinearKind : int64_t { ONEDNN = 0, INT8 = 1, INT4 = 2, DENSE = 3, MODULE = 4 };
+
+struct LeanLinear {
+  int64_t kind;
+  at::Tensor w, aux;                   // aux: int8 scales or int4 (s, z) pairs
+  std::optional<at::Tensor> bias;
+  int64_t group, max_rows;             // kernel kinds: above max_rows, the module decides
+  py::object module;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const int64_t rows = x.size(0);
+    if (kind == MODULE || ((kind == INT8 || kind == INT4) && rows > max_rows)) {
+      py::gil_scoped_acquire gil;
+      return module(x).cast<at::Tensor>();
+    }
+    at::Tensor y;
+    if (kind == ONEDNN) {
+      static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+          "mkldnn::_linear_pointwise", "");
+      torch::jit::Stack stack;
+      stack.emplace_back(x);
+      stack.emplace_back(w);
+      stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+      stack.emplace_back(std::string("none"));
+      stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+      stack.emplace_back(std::string(""));
+      op.callBoxed(&stack);
+      return stack[0].toTensor();
+    }
+    if (kind == DENSE) return at::linear(x, w, bias);
+    y = kind == INT8 ? at::_weight_int8pack_mm(x, w, aux)
+                     : at::_weight_int4pack_mm_for_cpu(x, w, group, aux);
+    if (bias.has_value()) y.add_(*bias);
+    return y;
+  }
+};
+
+static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 8192 / width); }
+
+// h += a (rounded as the model's dtype, like torch's add), then x = rmsnorm(h) * w.
+// With `a` undefined, only the norm.
+template <typename T>
+static void add_rmsnorm(T* h, const T* a, const T* w, T* x, int64_t rows, int64_t n,
+                        float eps) {
+  at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> hf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      T* hr = h + r * n;
+      float ss = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = static_cast<float>(hr[i]);
+        if (a) { hr[i] = static_cast<T>(v + static_cast<float>(a[r * n + i])); v = static_cast<float>(hr[i]); }
+        hf[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / n + eps);
+      for (int64_t i = 0; i < n; ++i) x[r * n + i] = static_cast<T>(hf[i] * inv * static_cast<float>(w[i]));
+    }
+  });
+}
+
+// Rotate-half RoPE of q and k from a qkv row; q to its own buffer, k back in place and, with
+// v, into the paged cache at the token's slot. cos/sin: float32 [rows, d], sin signed.
+template <typename T>
+static void rope_store(T* qkv, T* q, const float* cos, const float* sin, const int64_t* slots,
+                       T* kc, T* vc, int64_t rows, int64_t nh, int64_t nkv, int64_t d) {
+  const int64_t width = (nh + 2 * nkv) * d, half = d / 2;
+  at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(d);
+    for (int64_t r = begin; r < end; ++r) {
+      T* row = qkv + r * width;
+      const float* c = cos + r * d;
+      const float* s = sin + r * d;
+      T* kslot = kc + slots[r] * nkv * d;
+      T* vslot = vc + slots[r] * nkv * d;
+      for (int64_t hd = 0; hd < nh + nkv; ++hd) {
+        T* x = row + hd * d;
+        for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(x[i]);
+        T* dst = hd < nh ? q + (r * nh + hd) * d : x;
+        for (int64_t i = 0; i < d; ++i)
+          dst[i] = static_cast<T>(xf[i] * c[i] + xf[i < half ? i + half : i - half] * s[i]);
+        if (hd >= nh) std::memcpy(kslot + (hd - nh) * d, x, d * sizeof(T));
+      }
+      std::memcpy(vslot, row + (nh + nkv) * d, nkv * d * sizeof(T));
+    }
+  });
+}
+
+// out[r] = silu(gu[r, :n]) * gu[r, n:]
+template <typename T>
+static void silu_mul(const T* gu, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * 2 * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float gv = static_cast<float>(g[i]);
+        out[r * n + i] = static_cast<T>(gv / (1.f + std::exp(-gv)) * static_cast<float>(g[n + i]));
+      }
+    }
+  });
+}
+
+struct LeanModel {
+  int64_t hidden, nh, nkv, d;
+  double eps;
+  std::vector<at::Tensor> norms;       // per layer: input, mlp; then the final norm
+  std::vector<LeanLinear> linears;     // per layer: qkv, o, gate_up, down
+  std::vector<at::Tensor> k_caches, v_caches;
+
+  LeanModel(int64_t hidden, int64_t nh, int64_t nkv, int64_t d, double eps,
+            std::vector<at::Tensor> norms, std::vector<at::Tensor> k_caches,
+            std::vector<at::Tensor> v_caches)
+      : hidden(hidden), nh(nh), nkv(nkv), d(d), eps(eps), norms(std::move(norms)),
+        k_caches(std::move(k_caches)), v_caches(std::move(v_caches)) {}
+
+  void add_linear(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
+                  int64_t group, int64_t max_rows, py::object module) {
+    linears.push_back({kind, w, aux, bias, group, max_rows, module});
+  }
+
+  // h: [T, hidden] embeddings (overwritten: it is the residual stream). Returns the final
+  // normed hidden states.
+  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                     int64_t num_decodes, std::optional<at::Tensor> decode_tables,
+                     std::optional<at::Tensor> decode_lens, std::vector<int64_t> starts,
+                     std::vector<int64_t> ends, std::vector<std::optional<at::Tensor>> tables,
+                     std::vector<std::optional<at::Tensor>> masks) {
+    TORCH_CHECK(h.is_contiguous() && cos.is_contiguous() && sin.is_contiguous());
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong);
+    py::gil_scoped_release nogil;
+    const int64_t T = h.size(0), L = static_cast<int64_t>(k_caches.size());
+    const int64_t q_size = nh * d, kv_size = nkv * d;
+    at::Tensor x = at::empty_like(h);
+    at::Tensor q = at::empty({T, nh, d}, h.options());
+    at::Tensor m;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "lean", [&] {
+      using T_ = scalar_t;
+      add_rmsnorm<T_>(h.data_ptr<T_>(), nullptr, norms[0].data_ptr<T_>(), x.data_ptr<T_>(),
+                      T, hidden, eps);
+      for (int64_t l = 0; l < L; ++l) {
+        const LeanLinear* lin = &linears[4 * l];
+        at::Tensor qkv = lin[0](x).contiguous();
+        rope_store<T_>(qkv.data_ptr<T_>(), q.data_ptr<T_>(), cos.data_ptr<float>(),
+                       sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                       k_caches[l].data_ptr<T_>(), v_caches[l].data_ptr<T_>(), T, nh, nkv, d);
+        at::Tensor attn = attention(q, qkv, l, num_decodes, decode_tables, decode_lens,
+                                    starts, ends, tables, masks, q_size, kv_size);
+        at::Tensor o = lin[1](attn.view({T, q_size})).contiguous();
+        add_rmsnorm<T_>(h.data_ptr<T_>(), o.data_ptr<T_>(), norms[2 * l + 1].data_ptr<T_>(),
+                        x.data_ptr<T_>(), T, hidden, eps);
+        at::Tensor gu = lin[2](x).contiguous();
+        const int64_t inter = gu.size(1) / 2;
+        at::Tensor act = at::empty({T, inter}, h.options());
+        silu_mul<T_>(gu.data_ptr<T_>(), act.data_ptr<T_>(), T, inter);
+        m = lin[3](act).contiguous();
+        add_rmsnorm<T_>(h.data_ptr<T_>(), m.data_ptr<T_>(), norms[2 * l + 2].data_ptr<T_>(),
+                        x.data_ptr<T_>(), T, hidden, eps);
+      }
+    });
+    return x;
+  }
+
+  at::Tensor attention(const at::Tensor& q, const at::Tensor& qkv, int64_t l, int64_t D,
+                       const std::optional<at::Tensor>& decode_tables,
+                       const std::optional<at::Tensor>& decode_lens,
+                       const std::vector<int64_t>& starts, const std::vector<int64_t>& ends,
+                       const std::vector<std::optional<at::Tensor>>& tables,
+                       const std::vector<std::optional<at::Tensor>>& masks,
+                       int64_t q_size, int64_t kv_size) {
+    const int64_t T = q.size(0);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    at::Tensor decoded;
+    if (D) decoded = paged_decode(D == T ? q : q.narrow(0, 0, D), k_caches[l], v_caches[l],
+                                  *decode_tables, *decode_lens, scale);
+    if (D == T) return decoded;
+    at::Tensor out = at::empty_like(q);
+    if (D) out.narrow(0, 0, D).copy_(decoded);
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, nkv, d});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, nkv, d});
+    for (size_t c = 0; c < starts.size(); ++c) {
+      const int64_t s = starts[c], n = ends[c] - starts[c];
+      at::Tensor keys, values;
+      if (tables[c].has_value()) {
+        const auto& table = *tables[c];
+        const int64_t blocks = k_caches[l].size(0), bs = k_caches[l].size(1);
+        keys = k_caches[l].view({blocks, -1}).index_select(0, table)
+                   .view({table.size(0) * bs, nkv, d});
+        values = v_caches[l].view({blocks, -1}).index_select(0, table)
+                     .view({table.size(0) * bs, nkv, d});
+      } else {
+        keys = k.narrow(0, s, n);
+        values = v.narrow(0, s, n);
+      }
+      at::Tensor o = at::scaled_dot_product_attention(
+          q.narrow(0, s, n).transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+          values.transpose(0, 1).unsqueeze(0), masks[c], 0.0, !masks[c].has_value(),
+          std::nullopt, /*enable_gqa=*/true);
+      out.narrow(0, s, n).copy_(o[0].transpose(0, 1));
+    }
+    return out;
+  }
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention (cpu_attention.py)");
+  py::class_<LeanModel>(m, "LeanModel")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("add_linear", &LeanModel::add_linear)
+      .def("forward", &LeanModel::forward);
+}
+"""
+
+
+def supports(shape: ModelShape) -> bool:
+    """The architectures the lean step computes exactly (Gemma 3's extras are not in it)."""
+    return not (shape.qk_norm or shape.post_norms or shape.sliding_window
+                or shape.query_pre_attn_scalar) and shape.hidden_act == "silu"
+
+
+class LeanForward:
+    """The C++ twin of LlamaModel's layers, over the model's own weights and KV caches."""
+
+    def __init__(self, kernel, model: nn.Module, kv_caches: list[tuple[Tensor, Tensor]]):
+        shape = model.shape
+        norms = [w for layer in model.layers for w in (layer.input_norm, layer.mlp_norm)]
+        self.impl = kernel.LeanModel(
+            shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+            shape.rms_norm_eps, [w.detach() for w in norms + [model.norm]],
+            [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        for layer in model.layers:
+            for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+                self.impl.add_linear(*_linear_spec(linear))
+        self.rope = model.rope
+
+    def __call__(self, h: Tensor, positions: Tensor, attn) -> Tensor:
+        chunks = attn.prefills
+        return self.impl.forward(
+            h.contiguous(), self.rope.cos[positions].float(), self.rope.sin[positions].float(),
+            attn.slot_mapping, attn.num_decodes, attn.decode_block_tables,
+            attn.decode_context_lens, [c.start for c in chunks], [c.end for c in chunks],
+            [c.block_table for c in chunks], [c.mask for c in chunks])
+
+
+_NEVER = 1 << 62
+
+
+def _linear_spec(linear: nn.Module) -> tuple:
+    """(kind, weight, aux, bias, group, max_rows, module) for LeanLinear in the C++ source."""
+    from tierserve.model.cpu_linear import PackedLinear
+    from tierserve.model.quant import QuantLinear
+
+    none = torch.empty(0)
+    if isinstance(linear, PackedLinear):
+        return 0, linear.packed, none, _detach(linear.bias), 0, _NEVER, linear
+    if isinstance(linear, QuantLinear) and linear.use_kernel:
+        rows = _NEVER if linear.dequant_rows is None else linear.dequant_rows
+        kind = 1 if linear.bits == 8 else 2
+        return kind, linear.weight, linear.scales, linear.bias, linear.group_size, rows, linear
+    if type(linear) is nn.Linear:
+        return 3, linear.weight.detach(), none, _detach(linear.bias), 0, _NEVER, linear
+    return 4, none, none, None, 0, _NEVER, linear
+
+
+def _detach(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach()
