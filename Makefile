@@ -19,6 +19,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Compile the CPU kernels now, not on the first request (about a minute; without a
 	# compiler the engine runs on plain torch ops, so a failure here is not fatal).
 	$(PY) -m tierserve.model.kernels || true
+	# Measure this machine's step times for the default configuration once, so that
+	# `make serve` starts without calibrating (about 20 s; kept across installs).
+	$(VENV)/bin/tierserve calibrate --for-serve || true
 	touch $@
 
 install: $(VENV)/.installed

@@ -4,10 +4,11 @@
     python benchmarks/startup.py [--rounds 2] [--quantization none] [--port 8431]
 
 Each start is a new process with its own empty caches where the case says so:
-  - nothing:   no compiled kernels and no cached calibration (a user who skipped the
-               install step's kernel build): compiles, calibrates, serves;
-  - installed: the kernels built the way `make install` builds them
-               (`python -m tierserve.model.kernels`, timed too), no calibration yet;
+  - nothing:   no compiled kernels, no cached calibration or tokenizer (a user who
+               skipped the install steps): compiles, calibrates, serves;
+  - installed: what `make install` prepares (both steps timed too): the kernels built
+               (`python -m tierserve.model.kernels`) and this machine's step times
+               measured for the configuration (`tierserve calibrate --for-serve`);
   - warm:      the same caches a second time.
 The page cache is dropped before each start where the machine lets us (root, and
 /proc/sys/vm/drop_caches writable), so a start reads the model file from disk; the
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
           f"quantization={args.quantization} rounds={args.rounds} "
           f"page_cache_dropped={'yes' if dropped else 'no (not permitted)'}", flush=True)
     results = {"nothing": [], "installed": [], "warm": []}
-    build = []
+    build, calibration = [], []
     for _ in range(args.rounds):
         with tempfile.TemporaryDirectory() as ext, tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCH_EXTENSIONS_DIR=ext, TIERSERVE_CACHE_DIR=cache)
@@ -82,12 +83,18 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "tierserve.model.kernels"], env=env,
                            check=True, capture_output=True)
             build.append(time.perf_counter() - begin)
+            begin = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--for-serve",
+                            "--quantization", args.quantization], env=env, check=True,
+                           capture_output=True)
+            calibration.append(time.perf_counter() - begin)
             drop_page_cache()
             results["installed"].append(start_to_ready(args, env))
             drop_page_cache()
             results["warm"].append(start_to_ready(args, env))
     print(f"startup kernel build at install (python -m tierserve.model.kernels): "
-          f"{statistics.median(build):.1f} s", flush=True)
+          f"{statistics.median(build):.1f} s; calibration at install (tierserve calibrate "
+          f"--for-serve): {statistics.median(calibration):.1f} s", flush=True)
     for case, times in results.items():
         print(f"startup case={case} ready_s={statistics.median(times):.1f} "
               f"(runs: {', '.join(f'{t:.1f}' for t in times)})", flush=True)

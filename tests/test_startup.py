@@ -40,3 +40,22 @@ def test_calibration_is_measured_once_then_read_back(tmp_path, monkeypatch):
     c.config, c.loaded, c.runner, c.max_model_len = (
         engine_config(**config | {"max_num_seqs": 16}), a.loaded, a.runner, a.max_model_len)
     assert cache_path(c) != path
+
+
+def test_tokenizer_read_back_from_the_cache_is_the_same(tmp_path, monkeypatch, default_model_path):
+    """A GGUF tokenizer is built once and saved; the saved one must tokenize, template and
+    name special tokens exactly as the one built from the file."""
+    from tierserve.model.tokenizer import Tokenizer
+
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path))
+    built = Tokenizer(default_model_path)
+    assert list((tmp_path / "tokenizers").iterdir())
+    cached = Tokenizer(default_model_path)
+    text = "Hello wörld! <|im_start|> 12345 def f(x):\n\treturn x**2  🙂"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    assert cached.encode(text) == built.encode(text)
+    assert cached.apply_chat_template(messages) == built.apply_chat_template(messages)
+    assert (cached.eos_token_id, cached.vocab_size, cached.all_special_ids) == \
+        (built.eos_token_id, built.vocab_size, built.all_special_ids)
+    ids = built.encode(text)
+    assert cached.decode(ids) == built.decode(ids)

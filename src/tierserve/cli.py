@@ -78,8 +78,14 @@ def cmd_calibrate(args) -> int:
     from tierserve.engine.llm_engine import LLMEngine
 
     args.priority_step_time_s = 0  # the engine must not calibrate itself first
-    engine = LLMEngine(engine_config_from_args(args),
-                       progress=lambda line: print(line, file=sys.stderr))
+    say = (lambda line: print(line, file=sys.stderr))
+    engine = LLMEngine(engine_config_from_args(args), progress=say)
+    if args.for_serve:
+        from tierserve.engine.calibrate import cache_path, calibrate_cached
+        model = calibrate_cached(engine, say)
+        print(f"a lone decode step {model.predict_s([(1, 256)]) * 1e3:.1f} ms; "
+              f"`tierserve serve` with these engine flags reads {cache_path(engine)}")
+        return 0
     model = calibrate(engine, repeats=args.repeats, whole_step=args.whole_step)
     model.save(args.out, model=args.model or "SmolLM2-135M-Instruct", dtype=args.dtype,
                device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -216,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", default="step_time.json", help="file to write "
                                                              "(default step_time.json)")
     cal.add_argument("--repeats", type=int, default=2, help="runs of the calibration grid")
+    cal.add_argument("--for-serve", action="store_true",
+                     help="fill the cache `tierserve serve` reads with the same engine flags "
+                          "(~/.cache/tierserve; `make install` does this for the defaults) "
+                          "instead of writing --out; kept if already there")
     cal.add_argument("--whole-step", action="store_true",
                      help="time whole engine steps (scheduling and outputs too), for "
                           "`tierserve sim --step-time-profile`; default: the forward pass, "

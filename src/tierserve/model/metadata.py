@@ -97,16 +97,24 @@ def _gguf_shape(path: str, mtime_ns: int) -> ModelShape:
     return GGUFMetadata(path).shape()
 
 
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int):
+    """One parse of a file's header per process: the shape, the weights and the GGUF
+    quantization all read it, and parsing a 49k-token vocabulary takes about 2 s. (The
+    reader maps the file; the mapping lives as long as the cache entry.)"""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 class GGUFMetadata:
     """A GGUF file's header (gguf's reader maps the file; no tensor is decoded)."""
 
     def __init__(self, path: str):
-        import gguf
-
         if not os.path.isfile(path):
             raise ModelLoadError(f"model file not found: {path}")
         try:
-            self.reader = gguf.GGUFReader(path)
+            self.reader = _reader(path, os.stat(path).st_mtime_ns)
         except Exception as exc:  # the reader raises ValueError, struct errors, IndexError...
             raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from None
         self.path = path
