@@ -1,7 +1,7 @@
 """Quality of each weight format against the float32 model: mean KL divergence and top-1
 agreement of next-token distributions, teacher-forced over the varied text below.
 
-    python benchmarks/quant_quality.py [--model PATH] [--chunk 512] [--threads 2]
+    python benchmarks/quant_quality.py [--model PATH] [--chunk 512] [--threads 2] [--lean]
 
 One line per format. The reference is the checkpoint in float32 (for the default model,
 whose linear weights are Q4_1 and embeddings Q8_0, that is the file's exact values: a
@@ -148,8 +148,9 @@ def documents(tokenizer, chunk: int) -> list[list[int]]:
     return [p for p in pieces if len(p) > 1]
 
 
-def logits(model, tokens: list[int]) -> torch.Tensor:
-    """Teacher-forced float32 logits [T, vocab] of one sequence from position 0."""
+def logits(model, tokens: list[int], lean: bool = False) -> torch.Tensor:
+    """Teacher-forced float32 logits [T, vocab] of one sequence from position 0; `lean`:
+    through the lean step (model/cpu_step.py) instead of the Python layers."""
     from tierserve.model.llama import AttentionMetadata, PrefillChunk
 
     T = len(tokens)
@@ -163,7 +164,12 @@ def logits(model, tokens: list[int]) -> torch.Tensor:
                              decode_block_tables=None, decode_mask=None,
                              decode_context_lens=None, prefills=[PrefillChunk(0, T, None, None)])
     with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), torch.arange(T), attn, caches)
+        if lean:
+            from tierserve.model import cpu_step, kernels
+            forward = cpu_step.LeanForward(kernels.load(), model, caches)
+            hidden = forward(model.embed(torch.tensor(tokens)), torch.arange(T), attn)
+        else:
+            hidden = model(torch.tensor(tokens), torch.arange(T), attn, caches)
         return model.compute_logits(hidden)
 
 
@@ -178,6 +184,10 @@ def q6k_sim(w: torch.Tensor) -> torch.Tensor:
     scale = torch.round(sub / d).clamp(1, 127) * d
     q = torch.round(g / scale.unsqueeze(-1)).clamp(-32, 31)
     return (q * scale.unsqueeze(-1)).view(n, k)
+
+
+LEAN = ", lean step"
+GGUF = "gguf (Q4_1->int4, Q8_0 head->int8)"
 
 
 def build_formats(ref, path: str):
@@ -222,7 +232,7 @@ def build_formats(ref, path: str):
         "bf16 (none)": derive(),
         "int8": derive("int8"),
         "int8, lm_head bf16": derive("int8", lm_head=False),
-        "gguf (Q4_1->int4, Q8_0 head->int8)": derive("gguf"),
+        GGUF: derive("gguf"),
         "gguf, lm_head bf16": derive("gguf", lm_head=False),
         "q4_0 requantized->int4, lm_head bf16": derive(convert=q4_0),
         "q6_k-sim dense bf16, lm_head bf16": derive(convert=q6k_dense),
@@ -235,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M Q4_1)")
     p.add_argument("--chunk", type=int, default=512, help="most tokens per sequence")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--lean", action="store_true",
+                   help="also bf16 and gguf through the lean step (one C++ forward pass)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from tierserve.config import ModelConfig
@@ -246,13 +258,20 @@ def main(argv=None) -> int:
     ref = loaded.model
     docs = documents(Tokenizer.load(loaded.tokenizer_source), args.chunk)
     formats = build_formats(ref, loaded.source)
+    if args.lean:
+        from tierserve.model import kernels
+        if kernels.load() is None:
+            print("quant_quality: --lean needs the CPU kernels", file=sys.stderr)
+            return 1
+        formats |= {name + LEAN: formats[name] for name in ("bf16 (none)", GGUF)}
     kl = {name: 0.0 for name in formats}
     top1 = {name: 0 for name in formats}
     count = 0
     for tokens in docs:
         ref_lp = torch.log_softmax(logits(ref, tokens), -1)
         for name, model in formats.items():
-            lp = torch.log_softmax(logits(model, tokens), -1)
+            lean = name.endswith(LEAN)
+            lp = torch.log_softmax(logits(model, tokens, lean), -1)
             kl[name] += (ref_lp.exp() * (ref_lp - lp)).sum(-1).sum().item()
             top1[name] += (lp.argmax(-1) == ref_lp.argmax(-1)).sum().item()
         count += len(tokens)
@@ -260,7 +279,7 @@ def main(argv=None) -> int:
           f"chunk={args.chunk} threads={args.threads} torch={torch.__version__} "
           f"cpu={platform.machine()} wall_s={time.perf_counter() - start:.0f}")
     for name in formats:
-        print(f"format={name:<40} mean_kl={kl[name] / count:.5f} "
+        print(f"format={name:<48} mean_kl={kl[name] / count:.5f} "
               f"top1_agreement={top1[name] / count:.4f}")
     return 0
 

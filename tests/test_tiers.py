@@ -1,6 +1,7 @@
 """Service tiers in the scheduler, with a fake runner (no torch): preemption for slots and
 blocks, the step-time cap, reserves, aging, the flex wait limit, victims, wasted work."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -115,6 +116,33 @@ def test_cap_cuts_lower_tier_prefill_before_decodes():
     got = {x.request_id: len(x.token_ids) for x in out.seqs}
     # 10 fixed + 5 decodes x 2 ms = 20 ms; the prefill gets what is left: (10 - 1) tokens
     assert [got[r.request_id] for r in reqs] == [1] * 5 and got["r7"] == 9
+
+
+@pytest.mark.parametrize("decode_cap", [None, 0.050, 0.0])
+def test_steps_with_decodes_keep_to_the_decode_cap_without_priority(decode_cap):
+    """No priority request about: a long default prompt arriving while others stream is
+    cut so the step stays within decode_step_time_s (default four times the priority cap);
+    0 turns that off and the prompt takes the whole budget."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=256,
+                       step_time_model=model, step_time_limit_s=0.030,
+                       decode_step_time_s=decode_cap)
+    reqs = make_requests(4, prompt_len=4, max_tokens=50, tier=D)
+    for r in reqs:
+        s.add_request(r)
+    while any(r.num_output_tokens == 0 for r in reqs):
+        step(s)
+    s.add_request(make_requests(1, start=9, prompt_len=400, max_tokens=2, tier=D)[0])
+    out = step(s)
+    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    assert [got[r.request_id] for r in reqs] == [1] * 4            # no decode is cut
+    limit = {None: 0.120, 0.050: 0.050, 0.0: None}[decode_cap]
+    if limit is None:
+        assert got["r9"] == 256 - 4                                 # the whole budget
+    else:   # 10 ms fixed + 4 decodes x 2 ms = 18 ms; the prompt: 1 ms, then 1 ms a token
+        predicted = model.predict_s([(len(x.token_ids), x.start_pos + len(x.token_ids))
+                                     for x in out.seqs])
+        assert predicted <= limit + 1e-12 and got["r9"] == round((limit - 0.018) / 0.001) - 1
 
 
 def test_flex_is_refused_after_its_wait_limit_and_started_flex_is_not():

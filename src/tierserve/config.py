@@ -114,6 +114,11 @@ class SchedulerConfig:
     steps are cut to this predicted time. None:
     the priority tier's TPOT SLO if set, else 3x a calibrated one-sequence decode step;
     0 turns the cap off."""
+    decode_step_time_s: float | None = None
+    """tiered: steps that carry decodes (of any tier) are cut to this predicted time, so
+    a long prompt's prefill chunks cannot stall the streams in flight (its chunks are
+    shortened; no decode is cut). None: four times the priority cap; 0 turns it off. Applies
+    where the priority cap has a step-time model (calibrated or from a profile)."""
     priority_guard_s: float = 10.0
     """tiered: the cap stays on this long after the last priority request left, so the
     next one finds a short step in flight (its wait for that step is part of its TTFT).
@@ -148,6 +153,8 @@ class SchedulerConfig:
                      "priority_guard_s", "batch_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.decode_step_time_s is not None and self.decode_step_time_s < 0:
+            raise ConfigError(f"decode_step_time_s must be >= 0, got {self.decode_step_time_s}")
         if self.priority_step_time_s is not None and self.priority_step_time_s < 0:
             raise ConfigError(f"priority_step_time_s must be >= 0, got "
                               f"{self.priority_step_time_s}")

@@ -40,7 +40,10 @@ NOTE: the step-time cap (tiered)
     the time of every decode not yet placed, so lower tiers' prefill is cut first and
     their decodes last. Without the cap, batch-tier prompts still get at most
     `batch_prefill_tokens` per step: a batch keeps every slot busy, and a priority request
-    arriving then waits for one step of decodes, not a long prefill.
+    arriving then waits for one step of decodes, not a long prefill. With no priority
+    request about, steps that carry anyone's decodes keep to a looser cap
+    (`decode_time_limit_s`, four times the priority cap by default) by the same rules, so one
+    long prompt's prefill chunks do not stall every stream in flight.
 
 Why one file of about 500 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
@@ -58,6 +61,12 @@ from tierserve.core.fair import FairShare
 from tierserve.core.policy import SchedulingPolicy, make_policy
 from tierserve.core.request import Request, RequestStatus, Tier
 from tierserve.core.step_time import EPS_S, StepTimeModel
+
+DECODE_CAP_FACTOR = 4
+"""The decode cap's default, in priority caps. Measured on SmolLM2-135M bf16, 2-core EPYC
+(docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no cap
+387/465 tok/s with inter-token p99 301/410 ms; 2x 307/403 tok/s, 100/112 ms; 4x (0.15 s)
+368/412 tok/s, 162/184 ms. 4x keeps most of the throughput and halves the p99."""
 
 
 @dataclass
@@ -122,6 +131,8 @@ class _Step:
     """Predicted time of running decodes not yet placed (set aside under the cap)."""
     priority_starting: bool = False
     """A priority request waits for its first token: lower tiers sit this step out."""
+    decodes_only_cap: bool = False
+    """The cap is the decode cap (no priority about): it shortens prefill chunks only."""
     batch_prefill: int = 0
     """Prompt tokens batch-tier requests may still compute this step."""
     scheduled: dict = field(default_factory=dict)
@@ -141,6 +152,7 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy)
         self.step_time_model = step_time_model
         self.step_time_limit_s = step_time_limit_s
+        self._decode_cap_on = False
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple, int, Request]] = []  # heap by policy key
@@ -220,6 +232,7 @@ class Scheduler:
         if self.policy.tiered:
             self._age_default(now)
         step = _Step(self.config.max_num_batched_tokens, self._time_limit_s(now))
+        step.decodes_only_cap = self._decode_cap_on
         step.batch_prefill = self.config.batch_prefill_tokens if self.policy.tiered else 0
         step.batch_prefill = step.batch_prefill or step.budget
         if step.time_limit_s is not None:
@@ -291,13 +304,26 @@ class Scheduler:
             self._push_waiting(request)
 
     # ------------------------------------------------- budget, cap, blocks
+    @property
+    def decode_time_limit_s(self) -> float | None:
+        """The cap of steps that carry decodes while the priority cap is off
+        (SchedulerConfig.decode_step_time_s; by default four times the priority cap: see DECODE_CAP_FACTOR)."""
+        explicit = self.config.decode_step_time_s
+        if explicit is None:
+            return DECODE_CAP_FACTOR * self.step_time_limit_s if self.step_time_limit_s else None
+        return explicit or None
+
     def _time_limit_s(self, now: float) -> float | None:
         if not (self.policy.tiered and self.step_time_model and self.step_time_limit_s):
             return None
         if self._num_priority:
             self._priority_seen_at = now
+        self._decode_cap_on = False
         if now - self._priority_seen_at <= self.config.priority_guard_s:
             return self.step_time_limit_s / self.step_time_ratio
+        if self.decode_time_limit_s and any(map(self._is_decoding, self.running)):
+            self._decode_cap_on = True
+            return self.decode_time_limit_s / self.step_time_ratio
         return None
 
     def _fit(self, request: Request, want: int, step: _Step, start: int | None = None) -> int:
@@ -313,7 +339,7 @@ class Scheduler:
         start = request.num_computed_tokens if start is None else start
         if decoding:
             step.pending_decode_s -= self._decode_cost_s(request)
-        if request.tier == Tier.PRIORITY:
+        if request.tier == Tier.PRIORITY or (decoding and step.decodes_only_cap):
             return num_new
         if step.priority_starting:
             return 0  # the step that gives a priority request its first token stays short

