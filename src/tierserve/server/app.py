@@ -184,6 +184,11 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
             await state.backend.stop()
         state.recorder.close()
         state.tenants.close()
+        # FastAPI keeps endpoint functions in a process-wide cache, and ours close over
+        # this state: drop what holds the engines, so an app stopped in a process that
+        # goes on (an embedder, the test suite) gives their memory back.
+        state.backend = state.admission = None
+        state.served = {}
 
     # FastAPI's own OpenTelemetry hooks (where this FastAPI has them) read the environment
     # on every request: 9% of a gateway's CPU at its ceiling. tierserve exports Prometheus.
