@@ -35,18 +35,20 @@ TIERSERVE = (f"{sys.executable} -m tierserve.cli serve --host 127.0.0.1 "
              "--served-model-name smollm2 --disable-uvicorn-access-log")
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float, path: str = "/v1/models",
+               poll_s: float = 0.5) -> float:
+    """Seconds until GET `path` answers 200 (benchmarks/startup.py polls /health too)."""
     begin = time.perf_counter()
     while time.perf_counter() - begin < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
                 if r.status == 200:
                     return time.perf_counter() - begin
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"not ready after {timeout_s:.0f} s")
 
 

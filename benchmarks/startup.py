@@ -23,7 +23,8 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+from side_by_side import wait_ready
 
 
 def drop_page_cache() -> bool:
@@ -40,21 +41,13 @@ def start_to_ready(args, env: dict, timeout_s: float = 300.0) -> float:
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--host", "127.0.0.1",
            "--port", str(args.port), "--quantization", args.quantization,
            "--disable-uvicorn-access-log"]
-    begin = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
     try:
-        while time.perf_counter() - begin < timeout_s:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited {proc.returncode}: {proc.stderr.read()[-500:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - begin
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"not ready after {timeout_s:.0f} s")
+        return wait_ready(args.port, proc, timeout_s, path="/health", poll_s=0.05)
+    except RuntimeError as exc:
+        tail = proc.stderr.read()[-500:] if proc.poll() is not None else ""
+        raise RuntimeError(f"{exc} {tail}".strip()) from None
     finally:
         proc.terminate()
         proc.wait(timeout=30)

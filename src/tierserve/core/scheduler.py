@@ -45,7 +45,7 @@ NOTE: the step-time cap (tiered)
     (`decode_time_limit_s`, four times the priority cap by default) by the same rules, so one
     long prompt's prefill chunks do not stall every stream in flight.
 
-Why one file of about 500 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 550 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
 the next request may take), so they share the `_Step` state and read best side by side.
 The policies (core/policy.py) and the step-time model (core/step_time.py) live apart.
