@@ -2,6 +2,7 @@
 simple-turn TTFT, routing accuracy (rules and the trained classifier).
 
     python benchmarks/hybrid.py [--conversations 40] [--rate 0.4] [--max-tokens 16]
+                                [--small-quantization gguf]
 
 Prints one JSON line per run and one summary line with its config.
 """

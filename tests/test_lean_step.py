@@ -84,8 +84,9 @@ TEXT = ("The lighthouse keeper's log for that winter is mostly about weather: wi
 
 def test_lean_prefill_is_as_close_to_float32_as_the_python_path():
     """Teacher-forced next-token distributions over real text, against the float32 model:
-    the lean step's mean KL divergence is no worse than the Python path's, in bf16 and
-    with the GGUF file's 4-bit weights (whose >96-row prefill runs the Python module)."""
+    the lean step's mean KL divergence is no worse than the Python path's, in bf16
+    and with the GGUF file's 4-bit weights (whose >96-row prefill dequantizes each layer
+    in C++)."""
     import copy
 
     from tierserve.model.cpu_linear import pack_linears
@@ -133,6 +134,24 @@ def test_lean_and_python_paths_generate_the_same_text():
     finally:
         engine.runner.lean = saved
     assert lean == plain
+
+
+def test_wide_inputs_dequantize_4_bit_weights_in_cpp_as_torch_does():
+    """Above 96 rows (a prefill) the lean step dequantizes a 4-bit layer once, in C++, and
+    runs one dense matmul: the matrix must be the one quant.py's torch ops compute."""
+    from tierserve.model.quant import GROUP_SIZE, QuantLinear
+
+    gen = torch.Generator().manual_seed(3)
+    n, k = 192, 6 * GROUP_SIZE
+    layer = QuantLinear.int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                             torch.rand(n, k // GROUP_SIZE, generator=gen) / 8,
+                             -torch.rand(n, k // GROUP_SIZE, generator=gen))
+    assert layer.use_kernel and layer.readable and layer.dequant_rows == 96
+    want = layer.dequantize()
+    got = kernels.load().dequantize_int4_t(layer.weight, layer.scales, layer.group_size).t()
+    # float32 then one rounding in both; a fused multiply-add may move the last bit
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-8).all()
+    assert (got == want).float().mean() > 0.999
 
 
 def test_gemma_keeps_the_python_path():

@@ -50,6 +50,7 @@ def config(classifier: str, args) -> str:
 
     return yaml.safe_dump({
         "models": {"large": {"model": LARGE, "load_format": "dummy", "dtype": "bfloat16",
+                             "quantization": "none",  # the small model's may not suit it
                              "max_num_seqs": args.large_max_num_seqs,
                              # the small model's tokenizer: prompts in, (noise) text out
                              "tokenizer": default_model_path(),
@@ -111,7 +112,10 @@ def summarize(phase: str, results: list[dict], rows: list[dict], n: int) -> dict
     right = sum(("model=large" in r["route"]) == (r["body"]["metadata"]["label"] == "hard")
                 for r in routed)
     cost = sum(r["cost"] for r in rows)
+    simple_cost = sum(r["cost"] for r in rows if r["label"] == "simple")
     return {"phase": phase, "requests": len(results),
+            "hard": sum(r["body"]["metadata"]["label"] == "hard" for r in results),
+            "simple_cost_share": simple_cost / cost if cost else None,
             "errors": sum(r["status"] != 200 for r in results),
             "cost_per_1k_conversations_usd": 1000 * cost / n,
             "simple_ttft_p50_s": percentile(simple, 0.5),
@@ -127,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--large-max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--small-quantization", default="none",
+                   help="the small model's --quantization (gguf: its file's 4-bit weights)")
     args = p.parse_args(argv)
     from tierserve.route.classifier import train
 
@@ -143,7 +149,7 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "small", "--config", cfg,
-           "--ledger", ledger, "--step-time-profile", _profile()]
+           "--ledger", ledger, "--quantization", args.small_quantization]
     proc = loopback.launch(cmd, os.path.join(tmp, "server.log"))
     try:
         loopback.wait_ready(proc, url, timeout_s=600)
@@ -161,8 +167,9 @@ def main(argv=None) -> int:
     for f in figures:
         print(json.dumps(f))
     a, b, c = figures
-    print(f"hybrid conversations={args.conversations} rate={args.rate}/s max_tokens="
-          f"{args.max_tokens} small=SmolLM2-135M large={LARGE}(dummy weights, stand-in) "
+    print(f"hybrid conversations={args.conversations} (hard {a['hard']}) rate={args.rate}/s "
+          f"max_tokens={args.max_tokens} small=SmolLM2-135M({args.small_quantization}) "
+          f"large={LARGE}(dummy weights, stand-in) "
           f"classifier_cv_acc={trained['cv_accuracy']:.3f}: cost/1K conv a={a['cost_per_1k_conversations_usd']:.4f} "
           f"b={b['cost_per_1k_conversations_usd']:.4f} c={c['cost_per_1k_conversations_usd']:.4f} USD "
           f"(b {1 - b['cost_per_1k_conversations_usd'] / a['cost_per_1k_conversations_usd']:.0%} "
@@ -171,10 +178,6 @@ def main(argv=None) -> int:
           f"b={b['simple_ttft_p50_s']:.3f}/{b['simple_ttft_p99_s']:.3f} "
           f"c={c['simple_ttft_p50_s']:.3f}/{c['simple_ttft_p99_s']:.3f} s; routing accuracy "
           f"b={b['routing_accuracy']:.3f} c={c['routing_accuracy']:.3f}; errors "
-          f"{a['errors'] + b['errors'] + c['errors']}")
+          f"{a['errors'] + b['errors'] + c['errors']}; simple turns' share of a's cost "
+          f"{a['simple_cost_share']:.0%} (the most routing them can save)")
     return 0
-
-
-def _profile() -> str:
-    from tierserve.server.serve import DEFAULT_CPU_PROFILE
-    return DEFAULT_CPU_PROFILE

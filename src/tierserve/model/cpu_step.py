@@ -42,16 +42,85 @@ namespace py = pybind11;
 
 enum LinearKind : int64_t { ONEDNN = 0, INT8 = 1, INT4 = 2, DENSE = 3, MODULE = 4 };
 
+static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 8192 / width); }
+
+// Round n float32 values to the model's dtype. bf16: round to nearest even on the raw
+// bits (c10's conversion for finite values), written so the compiler vectorizes it.
+template <typename T>
+static inline void narrow(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+static inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
+  const uint32_t* raw = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = static_cast<uint16_t>((raw[i] + 0x7FFFu + ((raw[i] >> 16) & 1u)) >> 16);
+}
+
+// An int4 weight in torch's CPU packing (model/quant.py, _dequantize_int4: blocks of 64
+// output rows, k-major, 32 bytes per (block, k), rows 0..31 in the low nibbles and 32..63
+// in the high ones) as the dense transpose W^T [K, N]: w = q * s + (z - 8 s) per group of
+// inputs, in float32, rounded once. Transposed because that is the packing's own order:
+// for one k, a block's 32 bytes give its 64 rows' values side by side, so the reads,
+// the arithmetic and the writes are all sequential and vectorize.
+template <typename T>
+static void dequantize_int4_t(const uint8_t* codes, const T* sz, T* out, int64_t n, int64_t k,
+                              int64_t group) {
+  at::parallel_for(0, k / group, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> s(n), z(n), row(n);
+    for (int64_t g = g0; g < g1; ++g) {
+      const T* p = sz + g * n * 2;
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = static_cast<float>(p[2 * j]);
+        z[j] = static_cast<float>(p[2 * j + 1]) - 8.f * s[j];
+      }
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        for (int64_t b = 0; b < n / 64; ++b) {
+          const uint8_t* src = codes + (b * k + i) * 32;
+          float* dst = row.data() + b * 64;
+          const float* sb = s.data() + b * 64;
+          const float* zb = z.data() + b * 64;
+          for (int64_t j = 0; j < 32; ++j) {
+            dst[j] = static_cast<float>(src[j] & 15) * sb[j] + zb[j];
+            dst[32 + j] = static_cast<float>(src[j] >> 4) * sb[32 + j] + zb[32 + j];
+          }
+        }
+        narrow(row.data(), out + i * n, n);
+      }
+    }
+  });
+}
+
+// W^T [K, N] of an int4 layer (for tests: .t() is the [N, K] weight).
+static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Tensor& sz,
+                                          int64_t group) {
+  TORCH_CHECK(codes.is_contiguous() && sz.is_contiguous() && codes.scalar_type() == at::kByte);
+  const int64_t n = sz.size(1), k = sz.size(0) * group;
+  TORCH_CHECK(n % 64 == 0 && codes.numel() == n * k / 2, "not torch's CPU int4 packing");
+  at::Tensor dense = at::empty({k, n}, sz.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4", [&] {
+    dequantize_int4_t<scalar_t>(codes.data_ptr<uint8_t>(), sz.data_ptr<scalar_t>(),
+                                dense.data_ptr<scalar_t>(), n, k, group);
+  });
+  return dense;
+}
+
 struct LeanLinear {
   int64_t kind;
   at::Tensor w, aux;                   // aux: int8 scales or int4 (s, z) pairs
   std::optional<at::Tensor> bias;
-  int64_t group, max_rows;             // kernel kinds: above max_rows, the module decides
+  int64_t group, max_rows;             // kernel kinds: above max_rows, dequantize (int4
+                                       // here, int8 by the module) and run a dense matmul
   py::object module;
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
-    if (kind == MODULE || ((kind == INT8 || kind == INT4) && rows > max_rows)) {
+    if (kind == INT4 && rows > max_rows) {    // wide x: dequantize once, one dense matmul
+      at::Tensor y = at::mm(x, dequantize_int4_t_dense(w, aux, group));
+      if (bias.has_value()) y.add_(*bias);
+      return y;
+    }
+    if (kind == MODULE || (kind == INT8 && rows > max_rows)) {
       py::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>();
     }
@@ -76,8 +145,6 @@ struct LeanLinear {
     return y;
   }
 };
-
-static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 8192 / width); }
 
 // h += a (rounded as the model's dtype, like torch's add), then x = rmsnorm(h) * w.
 // With `a` undefined, only the norm.
@@ -245,6 +312,7 @@ struct LeanModel {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (cpu_attention.py)");
+  m.def("dequantize_int4_t", &dequantize_int4_t_dense, "torch's CPU int4 packing as W^T");
   py::class_<LeanModel>(m, "LeanModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
