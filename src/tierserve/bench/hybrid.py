@@ -3,8 +3,9 @@
 the trained classifier; cost per 1,000 conversations from the ledger, TTFT p50/p99 of
 the simple turns, and routing accuracy against the labels.
 
-One `tierserve serve` on loopback serves both models and the two aliases; the three runs
-send the same requests, in the same open-loop arrival times, one after the other.
+One `tierserve serve` on loopback serves both models and the two aliases, started afresh
+for each run (so no run finds another's prompts in the prefix cache); the three runs send
+the same requests, in the same open-loop arrival times, one after the other.
 
 The small model is SmolLM2-135M-Instruct. The large one is a Llama-3.2-1B shape with
 dummy (random) weights, labelled so: it stands in for a large model's cost and latency
@@ -95,14 +96,15 @@ async def run_phase(url: str, requests: list[dict], model: str, tier: str | None
 def ledger_by_phase(path: str) -> dict[str, list[dict]]:
     con = sqlite3.connect(path, timeout=30)
     rows = con.execute("SELECT model, tier_served, prefill_cost + decode_cost, tags, "
-                       "output_tokens FROM requests").fetchall()
+                       "output_tokens, mean_batch_size FROM requests").fetchall()
     con.close()
     out: dict[str, list] = {}
-    for model, tier, cost, tags, out_tokens in rows:
+    for model, tier, cost, tags, out_tokens, batch in rows:
         t = json.loads(tags or "{}")
         out.setdefault(t.get("phase"), []).append({"model": model, "tier": tier, "cost": cost,
                                                   "label": t.get("label"),
-                                                  "output_tokens": out_tokens})
+                                                  "output_tokens": out_tokens,
+                                                  "mean_batch": batch})
     return out
 
 
@@ -121,7 +123,15 @@ def summarize(phase: str, results: list[dict], rows: list[dict], n: int) -> dict
             "simple_ttft_p50_s": percentile(simple, 0.5),
             "simple_ttft_p99_s": percentile(simple, 0.99),
             "routing_accuracy": right / len(routed) if routed else None,
-            "to_large": sum(r["model"] == "large" for r in rows)}
+            "to_large": sum(r["model"] == "large" for r in rows),
+            "large_mean_batch": _mean([r["mean_batch"] for r in rows if r["model"] == "large"]),
+            "large_cost_share": sum(r["cost"] for r in rows if r["model"] == "large") / cost
+            if cost else None}
+
+
+def _mean(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
 
 
 def main(argv=None) -> int:
@@ -150,17 +160,19 @@ def main(argv=None) -> int:
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "small", "--config", cfg,
            "--ledger", ledger, "--quantization", args.small_quantization]
-    proc = loopback.launch(cmd, os.path.join(tmp, "server.log"))
-    try:
-        loopback.wait_ready(proc, url, timeout_s=600)
-        phases = [("a", "large", "priority"), ("b", "hybrid-rules", None),
-                  ("c", "hybrid-learned", None)]
-        results = {}
-        for phase, model, tier in phases:
+    phases = [("a", "large", "priority"), ("b", "hybrid-rules", None),
+              ("c", "hybrid-learned", None)]
+    results = {}
+    for phase, model, tier in phases:
+        # A fresh server per run: the same prompts would otherwise find the previous
+        # run's prefixes cached, and the later runs would pay almost no prefill.
+        proc = loopback.launch(cmd, os.path.join(tmp, f"server-{phase}.log"))
+        try:
+            loopback.wait_ready(proc, url, timeout_s=600)
             results[phase] = asyncio.run(run_phase(url, requests, model, tier, phase,
                                                    args.rate, args.seed, args.max_tokens))
-    finally:
-        loopback.stop(proc)
+        finally:
+            loopback.stop(proc)
     rows = ledger_by_phase(ledger)
     figures = [summarize(ph, results[ph], rows.get(ph, []), args.conversations)
                for ph, _, _ in phases]
@@ -179,5 +191,7 @@ def main(argv=None) -> int:
           f"c={c['simple_ttft_p50_s']:.3f}/{c['simple_ttft_p99_s']:.3f} s; routing accuracy "
           f"b={b['routing_accuracy']:.3f} c={c['routing_accuracy']:.3f}; errors "
           f"{a['errors'] + b['errors'] + c['errors']}; simple turns' share of a's cost "
-          f"{a['simple_cost_share']:.0%} (the most routing them can save)")
+          f"{a['simple_cost_share']:.0%} (the most routing them can save); large model's "
+          f"mean batch a={a['large_mean_batch']:.1f} b={b['large_mean_batch']:.1f} "
+          f"c={c['large_mean_batch']:.1f}")
     return 0
