@@ -19,6 +19,7 @@ from tierserve.errors import (ConflictError, InvalidRequestError, NotFoundError,
 from tierserve.server import completions
 from tierserve.server.protocol import UnicodeBody, not_unicode
 from tierserve.server.settings import Tenant
+from tierserve.tasks import background
 
 CHUNK = 1 << 20
 UPLOAD_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {
@@ -187,13 +188,10 @@ async def running(state):
     if state.batches is None:
         yield
         return
-    task = asyncio.create_task(state.batches.run())
     try:
-        yield
+        async with background(state.batches.run()):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         state.batches.store.close()
 
 

@@ -26,6 +26,7 @@ import time
 from prometheus_client import Gauge
 
 from tierserve.router.local import LocalBackend
+from tierserve.tasks import background
 
 
 class Capacity:
@@ -140,11 +141,8 @@ async def following(state):
             wait = capacity.schedule.next_change(capacity.clock()) - capacity.clock()
             await asyncio.sleep(min(max(wait, 0.01), 1.0))  # 1 s: a backend attached late
 
-    task = asyncio.create_task(loop())
     try:
-        yield
+        async with background(loop()):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         capacity.restore()

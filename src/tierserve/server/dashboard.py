@@ -28,6 +28,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from tierserve.errors import AuthenticationError, PermissionDeniedError
 from tierserve.server import admin
+from tierserve.tasks import background
 
 STATIC = {"dashboard.js": "text/javascript", "dashboard.css": "text/css",
           "vendor/uPlot.iife.min.js": "text/javascript", "vendor/uPlot.min.css": "text/css"}
@@ -93,13 +94,8 @@ async def sampling(state):
             sample(state)
             await asyncio.sleep(state.timeline.interval_s)
 
-    task = asyncio.create_task(loop())
-    try:
+    async with background(loop()):
         yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def sample(state) -> None:
