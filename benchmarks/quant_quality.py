@@ -8,7 +8,10 @@ whose linear weights are Q4_1 and embeddings Q8_0, that is the file's exact valu
 format is judged by what it adds to the file's own error). Each document is one sequence
 from position 0, cut into pieces of `--chunk` tokens; quantized layers run their kernels
 at every size, as a decode does (the dequantizing path of long prefills is the same
-weights with one more bfloat16 rounding).
+weights with one more bfloat16 rounding). With `--lean` the lean step's own 4- and 8-bit
+kernels run where a piece has at most 96 tokens (`--chunk 96`: what decode steps compute,
+inputs rounded to int8 per 32 for the 4-bit layers); longer pieces take its dequantizing
+path.
 
 Formats: bf16 (--quantization none), int8, gguf, each with the lm_head quantized (the
 default) and kept bfloat16; q4_0 (the weights requantized to Q4_0 blocks by the `gguf`
@@ -168,6 +171,7 @@ def logits(model, tokens: list[int], lean: bool = False) -> torch.Tensor:
             from tierserve.model import cpu_step, kernels
             forward = cpu_step.LeanForward(kernels.load(), model, caches)
             hidden = forward(model.embed(torch.tensor(tokens)), torch.arange(T), attn)
+            return forward.logits(hidden)
         else:
             hidden = model(torch.tensor(tokens), torch.arange(T), attn, caches)
         return model.compute_logits(hidden)

@@ -37,7 +37,8 @@ def _compare_steps(engine, decodes_only: bool = False) -> tuple[float, float, se
         if decodes_only and attn.num_decodes < len(input_ids):
             return ref
         worst = max(worst, float((out - ref).float().norm() / ref.float().norm()))
-        p, q = (torch.log_softmax(model.compute_logits(x), -1) for x in (ref, out))
+        p = torch.log_softmax(model.compute_logits(ref), -1)
+        q = torch.log_softmax(lean.logits(out), -1)          # the lean step's own head
         worst_kl = max(worst_kl, float((p.exp() * (p - q)).sum(-1).mean()))
         kinds.add("decode" if attn.num_decodes == len(input_ids) else
                   "mixed" if attn.num_decodes else "prefill")

@@ -13,18 +13,20 @@ each layer is four linear calls and four fused loops, driven from C++:
     x = silu(gate) * up                  (one pass)
     m = linear(x); the next layer's norm adds it to h
 
-The linears are the same ones the Python model holds, called as they are: oneDNN's
-packed bfloat16 (cpu_linear.py), torch's int8/int4 kernels (quant.py), a dense matmul, or,
-for anything else (a quantized layer over its dequantize threshold), the Python module
-itself. The math matches the Python path's up to rounding: the fused loops compute in
-float32 and round once, where the torch ops round after each operator.
+The linears are the same ones the Python model holds: oneDNN's packed bfloat16
+(cpu_linear.py), a dense matmul, this file's kernels over quant.py's packed int4 and int8
+weights, or, for anything else (an int8 layer over its dequantize threshold), the Python
+module itself. The math matches the Python path's up to rounding: the fused loops compute
+in float32 and round once, where the torch ops round after each operator; and the 4-bit
+kernel rounds its inputs to int8 per group of 32, as llama.cpp does for its 4-bit formats
+(measured against float32 in docs/benchmarks.md).
 
 The GIL is released for the step (taken back only for a Python-module linear), so the
 server's event loop keeps answering while the engine thread computes.
 
 Llama-shaped models only: no q/k norms, no output norms, no sliding window, SiLU, the
 standard attention scale (Gemma 3 keeps the Python path). Compiled with the decode kernel
-as one extension (model/kernels.py).
+as one extension (model/kernels.py), after the 4- and 8-bit kernels (cpu_quant.py).
 """
 
 import torch
@@ -44,67 +46,6 @@ enum LinearKind : int64_t { ONEDNN = 0, INT8 = 1, INT4 = 2, DENSE = 3, MODULE = 
 
 static inline int64_t grain(int64_t width) { return std::max<int64_t>(1, 8192 / width); }
 
-// Round n float32 values to the model's dtype. bf16: round to nearest even on the raw
-// bits (c10's conversion for finite values), written so the compiler vectorizes it.
-template <typename T>
-static inline void narrow(const float* src, T* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-static inline void narrow(const float* src, at::BFloat16* dst, int64_t n) {
-  const uint32_t* raw = reinterpret_cast<const uint32_t*>(src);
-  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<uint16_t>((raw[i] + 0x7FFFu + ((raw[i] >> 16) & 1u)) >> 16);
-}
-
-// An int4 weight in torch's CPU packing (model/quant.py, _dequantize_int4: blocks of 64
-// output rows, k-major, 32 bytes per (block, k), rows 0..31 in the low nibbles and 32..63
-// in the high ones) as the dense transpose W^T [K, N]: w = q * s + (z - 8 s) per group of
-// inputs, in float32, rounded once. Transposed because that is the packing's own order:
-// for one k, a block's 32 bytes give its 64 rows' values side by side, so the reads,
-// the arithmetic and the writes are all sequential and vectorize.
-template <typename T>
-static void dequantize_int4_t(const uint8_t* codes, const T* sz, T* out, int64_t n, int64_t k,
-                              int64_t group) {
-  at::parallel_for(0, k / group, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> s(n), z(n), row(n);
-    for (int64_t g = g0; g < g1; ++g) {
-      const T* p = sz + g * n * 2;
-      for (int64_t j = 0; j < n; ++j) {
-        s[j] = static_cast<float>(p[2 * j]);
-        z[j] = static_cast<float>(p[2 * j + 1]) - 8.f * s[j];
-      }
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-        for (int64_t b = 0; b < n / 64; ++b) {
-          const uint8_t* src = codes + (b * k + i) * 32;
-          float* dst = row.data() + b * 64;
-          const float* sb = s.data() + b * 64;
-          const float* zb = z.data() + b * 64;
-          for (int64_t j = 0; j < 32; ++j) {
-            dst[j] = static_cast<float>(src[j] & 15) * sb[j] + zb[j];
-            dst[32 + j] = static_cast<float>(src[j] >> 4) * sb[32 + j] + zb[32 + j];
-          }
-        }
-        narrow(row.data(), out + i * n, n);
-      }
-    }
-  });
-}
-
-// W^T [K, N] of an int4 layer (for tests: .t() is the [N, K] weight).
-static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Tensor& sz,
-                                          int64_t group) {
-  TORCH_CHECK(codes.is_contiguous() && sz.is_contiguous() && codes.scalar_type() == at::kByte);
-  const int64_t n = sz.size(1), k = sz.size(0) * group;
-  TORCH_CHECK(n % 64 == 0 && codes.numel() == n * k / 2, "not torch's CPU int4 packing");
-  at::Tensor dense = at::empty({k, n}, sz.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, sz.scalar_type(), "int4", [&] {
-    dequantize_int4_t<scalar_t>(codes.data_ptr<uint8_t>(), sz.data_ptr<scalar_t>(),
-                                dense.data_ptr<scalar_t>(), n, k, group);
-  });
-  return dense;
-}
-
 struct LeanLinear {
   int64_t kind;
   at::Tensor w, aux;                   // aux: int8 scales or int4 (s, z) pairs
@@ -115,16 +56,22 @@ struct LeanLinear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
-    if (kind == INT4 && rows > max_rows) {    // wide x: dequantize once, one dense matmul
-      at::Tensor y = at::mm(x, dequantize_int4_t_dense(w, aux, group));
-      if (bias.has_value()) y.add_(*bias);
-      return y;
-    }
-    if (kind == MODULE || (kind == INT8 && rows > max_rows)) {
+    at::Tensor y;
+    if (kind == INT4 && aux.size(1) % 64 == 0) {   // whole blocks of 64 rows: ours
+      y = rows > max_rows ? at::mm(x, dequantize_int4_t_dense(w, aux, group))  // once, then dense
+                          : int4_matmul(x, w, aux, group);
+    } else if (kind == INT8 && rows <= max_rows) {
+      y = int8_matmul(x, w, aux);
+    } else if (kind == INT4 && rows <= max_rows) {  // a 16-row tail: torch's kernel
+      y = at::_weight_int4pack_mm_for_cpu(x, w, group, aux);
+    } else if (kind == INT4 || kind == INT8 || kind == MODULE) {
       py::gil_scoped_acquire gil;
       return module(x).cast<at::Tensor>();
     }
-    at::Tensor y;
+    if (y.defined()) {
+      if (bias.has_value()) y.add_(*bias);
+      return y;
+    }
     if (kind == ONEDNN) {
       static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
           "mkldnn::_linear_pointwise", "");
@@ -138,11 +85,7 @@ struct LeanLinear {
       op.callBoxed(&stack);
       return stack[0].toTensor();
     }
-    if (kind == DENSE) return at::linear(x, w, bias);
-    y = kind == INT8 ? at::_weight_int8pack_mm(x, w, aux)
-                     : at::_weight_int4pack_mm_for_cpu(x, w, group, aux);
-    if (bias.has_value()) y.add_(*bias);
-    return y;
+    return at::linear(x, w, bias);            // DENSE
   }
 };
 
@@ -225,6 +168,19 @@ struct LeanModel {
   void add_linear(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
                   int64_t group, int64_t max_rows, py::object module) {
     linears.push_back({kind, w, aux, bias, group, max_rows, module});
+  }
+
+  std::optional<LeanLinear> head;        // lm_head: logits = head(final normed hidden)
+
+  void set_head(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
+                int64_t group, int64_t max_rows, py::object module) {
+    head = LeanLinear{kind, w, aux, bias, group, max_rows, module};
+  }
+
+  at::Tensor logits(const at::Tensor& x) {
+    TORCH_CHECK(head.has_value(), "no head set");
+    py::gil_scoped_release nogil;
+    return (*head)(x.contiguous());
   }
 
   // h: [T, hidden] embeddings (overwritten: it is the residual stream). Returns the final
@@ -313,10 +269,14 @@ struct LeanModel {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (cpu_attention.py)");
   m.def("dequantize_int4_t", &dequantize_int4_t_dense, "torch's CPU int4 packing as W^T");
+  m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing, few rows");
+  m.def("int8_matmul", &int8_matmul, "(x W^T) * scales for an int8 weight, few rows");
   py::class_<LeanModel>(m, "LeanModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("add_linear", &LeanModel::add_linear)
+      .def("set_head", &LeanModel::set_head)
+      .def("logits", &LeanModel::logits)
       .def("forward", &LeanModel::forward);
 }
 """
@@ -342,6 +302,7 @@ class LeanForward:
             for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
                 self.impl.add_linear(*_linear_spec(linear))
+        self.impl.set_head(*_linear_spec(model.lm_head))
         self.rope = model.rope
 
     def __call__(self, h: Tensor, positions: Tensor, attn) -> Tensor:
@@ -351,6 +312,10 @@ class LeanForward:
             attn.slot_mapping, attn.num_decodes, attn.decode_block_tables,
             attn.decode_context_lens, [c.start for c in chunks], [c.end for c in chunks],
             [c.block_table for c in chunks], [c.mask for c in chunks])
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden: [S, hidden] -> float32 logits [S, vocab] (the model's compute_logits)."""
+        return self.impl.logits(hidden).float()
 
 
 _NEVER = 1 << 62

@@ -72,7 +72,8 @@ class ModelRunner:
         sampled = [s for s in seqs if s.sample]
         if not sampled:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])
+        head = self.lean.logits if self.lean is not None else self.model.compute_logits
+        logits = head(hidden[sample_rows])
         tokens = sample(logits, [self.states[s.request_id] for s in sampled],
                         [s.num_output_tokens for s in sampled])
         asked = [s.request_id for s in sampled

@@ -1,0 +1,61 @@
+"""The lean step's quantized kernels (model/cpu_quant.py): what a decode step of a 4-bit
+or int8 model computes, against the exact product of the weights the layer stands for."""
+
+import pytest
+import torch
+
+from tierserve.model import kernels
+from tierserve.model.quant import GROUP_SIZE, QuantLinear, int8_linear
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ toolchain")
+
+
+def _int4_layer(n: int, k: int, seed: int):
+    """A random 4-bit layer and the exact float64 weight [N, K] it holds."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // GROUP_SIZE, generator=gen) / 8
+    minimum = -torch.rand(n, k // GROUP_SIZE, generator=gen)
+    layer = QuantLinear.int4(codes, scale, minimum)
+    # what the layer keeps: s and z in bfloat16, w = s q + (z - 8 s)
+    s, z = layer.scales[..., 0].double().t(), layer.scales[..., 1].double().t()   # [N, K/g]
+    w = codes.double() * s.repeat_interleave(GROUP_SIZE, 1) \
+        + (z - 8 * s).repeat_interleave(GROUP_SIZE, 1)
+    return layer, w
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 96])
+def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
+    """The kernel may round each input to int8 per group of 32 (d = max|x| / 127, as
+    llama.cpp's 4-bit dot products do), so each output may be off by at most
+    sum over groups of d/2 * sum |w| there, plus the final bfloat16 rounding."""
+    layer, w = _int4_layer(192, 8 * GROUP_SIZE, seed=rows)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(7)).bfloat16()
+    got = kernels.load().int4_matmul(x, layer.weight, layer.scales, layer.group_size).double()
+    exact = x.double() @ w.t()
+    d = x.double().view(rows, -1, GROUP_SIZE).abs().amax(-1) / 127               # [M, groups]
+    w_abs = w.abs().view(w.shape[0], -1, GROUP_SIZE).sum(-1)                    # [N, groups]
+    bound = (d / 2) @ w_abs.t() + exact.abs() * 2**-8 + 1e-6
+    assert ((got - exact).abs() <= bound).all()
+    # and far closer than that bound in practice: a typical error under 1% of the output
+    assert float((got - exact).norm() / exact.norm()) < 0.01
+
+
+def test_4_bit_products_of_an_all_zero_group_are_exact():
+    layer, w = _int4_layer(64, 4 * GROUP_SIZE, seed=11)
+    x = torch.zeros(2, w.shape[1]).bfloat16()
+    x[0, 5], x[1, 70] = 1.0, -0.25                  # one input each: nothing to round
+    got = kernels.load().int4_matmul(x, layer.weight, layer.scales, layer.group_size).double()
+    exact = x.double() @ w.t()
+    assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-9).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_int8_products_agree_with_torchs_kernel(rows):
+    gen = torch.Generator().manual_seed(rows)
+    layer = int8_linear(torch.randn(320, 576, generator=gen), None, torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    got = kernels.load().int8_matmul(x, layer.weight, layer.scales).float()
+    want = torch.ops.aten._weight_int8pack_mm(x, layer.weight, layer.scales).float()
+    # both sum in float32 and round once to bfloat16 (torch after the scale, in bf16)
+    assert ((got - want).abs() <= want.abs() * 2**-6 + 1e-3).all()
