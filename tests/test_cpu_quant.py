@@ -24,7 +24,12 @@ def _int4_layer(n: int, k: int, seed: int):
     return layer, w
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 96])
+vnni = pytest.mark.skipif(not getattr(kernels.load(), "int4_vnni", False),
+                          reason="the 4-bit kernel needs AVX-512 VNNI")
+
+
+@vnni
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 96, 300])
 def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
     """The kernel may round each input to int8 per group of 32 (d = max|x| / 127, as
     llama.cpp's 4-bit dot products do), so each output may be off by at most
@@ -41,6 +46,7 @@ def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
     assert float((got - exact).norm() / exact.norm()) < 0.01
 
 
+@vnni
 def test_4_bit_products_of_an_all_zero_group_are_exact():
     layer, w = _int4_layer(64, 4 * GROUP_SIZE, seed=11)
     x = torch.zeros(2, w.shape[1]).bfloat16()
@@ -50,7 +56,7 @@ def test_4_bit_products_of_an_all_zero_group_are_exact():
     assert ((got - exact).abs() <= exact.abs() * 2**-8 + 1e-9).all()
 
 
-@pytest.mark.parametrize("rows", [1, 5, 32])
+@pytest.mark.parametrize("rows", [1, 5, 32, 100])
 def test_int8_products_agree_with_torchs_kernel(rows):
     gen = torch.Generator().manual_seed(rows)
     layer = int8_linear(torch.randn(320, 576, generator=gen), None, torch.bfloat16)

@@ -85,9 +85,10 @@ TEXT = ("The lighthouse keeper's log for that winter is mostly about weather: wi
 
 def test_lean_prefill_is_as_close_to_float32_as_the_python_path():
     """Teacher-forced next-token distributions over real text, against the float32 model:
-    the lean step's mean KL divergence is no worse than the Python path's, in bf16
-    and with the GGUF file's 4-bit weights (whose >96-row prefill dequantizes each layer
-    in C++)."""
+    the lean step's mean KL divergence is no worse than the Python path's in bf16. With
+    the GGUF file's 4-bit weights the lean kernel rounds each layer's inputs to int8 per
+    group of 32 (as llama.cpp does), which may cost a little: at most 0.003 more (about
+    0.0014 measured, against about 0.002 for the 4-bit weights themselves)."""
     import copy
 
     from tierserve.model.cpu_linear import pack_linears
@@ -122,7 +123,8 @@ def test_lean_prefill_is_as_close_to_float32_as_the_python_path():
         pack_linears(model)
         kl = {lean: float((p.exp() * (p - log_probs(model, lean))).sum(-1).mean())
               for lean in (False, True)}
-        assert kl[True] <= kl[False] * 1.1 + 1e-4, (method, kl)
+        allowance = 0.003 if method == "gguf" else 1e-4
+        assert kl[True] <= kl[False] * 1.1 + allowance, (method, kl)
 
 
 def test_lean_and_python_paths_generate_the_same_text():
@@ -138,8 +140,9 @@ def test_lean_and_python_paths_generate_the_same_text():
 
 
 def test_wide_inputs_dequantize_4_bit_weights_in_cpp_as_torch_does():
-    """Above 96 rows (a prefill) the lean step dequantizes a 4-bit layer once, in C++, and
-    runs one dense matmul: the matrix must be the one quant.py's torch ops compute."""
+    """Without AVX-512 VNNI, above 96 rows (a prefill) the lean step dequantizes a 4-bit
+    layer once, in C++, and runs one dense matmul: the matrix must be the one quant.py's
+    torch ops compute."""
     from tierserve.model.quant import GROUP_SIZE, QuantLinear
 
     gen = torch.Generator().manual_seed(3)
