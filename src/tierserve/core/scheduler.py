@@ -43,7 +43,8 @@ NOTE: the step-time cap (tiered)
     arriving then waits for one step of decodes, not a long prefill. With no priority
     request about, steps that carry anyone's decodes keep to a looser cap
     (`decode_time_limit_s`, four times the priority cap by default) by the same rules, so one
-    long prompt's prefill chunks do not stall every stream in flight.
+    long prompt's prefill chunks do not stall every stream in flight; where the decodes
+    alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time.
 
 Why one file of about 550 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
@@ -62,6 +63,11 @@ from tierserve.core.policy import SchedulingPolicy, make_policy
 from tierserve.core.request import Request, RequestStatus, Tier
 from tierserve.core.step_time import EPS_S, StepTimeModel
 
+DECODE_CAP_FLOOR = 2
+"""The decode cap never cuts a step below this many times the predicted time of its
+decodes alone: with many streams those alone can fill the cap, and waiting prompts would
+get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p50 5.8 s at
+381 tok/s). At 2 a prompt gets at most as much of a step as the streams do."""
 DECODE_CAP_FACTOR = 4
 """The decode cap's default, in priority caps. Measured on SmolLM2-135M bf16, 2-core EPYC
 (docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no cap
@@ -238,6 +244,9 @@ class Scheduler:
         if step.time_limit_s is not None:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = self._pending_decode_s()
+            if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps
+                floor = DECODE_CAP_FLOOR * (step.time_s + step.pending_decode_s)
+                step.time_limit_s = max(step.time_limit_s, floor / self.step_time_ratio)
             starting = self._num_priority > sum(
                 r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running)
             # Every other step at most, so lower tiers keep at least half their pace.
