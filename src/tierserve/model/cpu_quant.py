@@ -95,35 +95,59 @@ static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Ten
 // used for every row of x in the tile, four rows at a time.
 constexpr int64_t MAX_GROUP = 64;
 
-// One group's weights of one block: w[t * 4 + v] for inputs 4t..4t+3 of the group.
-static inline void unpack_group(const uint8_t* src, int64_t steps, __m512i* w) {
+// Four consecutive inputs' weights of one block (4 x 32 bytes) as four vectors of u8:
+// lanes of rows [0-3, 16-19, 4-7, 20-23], [8-11, 24-27, 12-15, 28-31], then the same +32.
+static inline void unpack4(const uint8_t* src, __m512i* w) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t t = 0; t < steps; ++t, src += 128) {
-    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-    const __m256i c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-    const __m256i c3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-    const __m256i a0 = _mm256_unpacklo_epi8(c0, c1), a1 = _mm256_unpackhi_epi8(c0, c1);
-    const __m256i b0 = _mm256_unpacklo_epi8(c2, c3), b1 = _mm256_unpackhi_epi8(c2, c3);
-    const __m512i z0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a0, b0)),
-                                          _mm256_unpackhi_epi16(a0, b0), 1);
-    const __m512i z1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a1, b1)),
-                                          _mm256_unpackhi_epi16(a1, b1), 1);
-    w[4 * t] = _mm512_and_si512(z0, low);
-    w[4 * t + 1] = _mm512_and_si512(z1, low);
-    w[4 * t + 2] = _mm512_and_si512(_mm512_srli_epi16(z0, 4), low);
-    w[4 * t + 3] = _mm512_and_si512(_mm512_srli_epi16(z1, 4), low);
+  const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+  const __m256i c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+  const __m256i c3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+  const __m256i a0 = _mm256_unpacklo_epi8(c0, c1), a1 = _mm256_unpackhi_epi8(c0, c1);
+  const __m256i b0 = _mm256_unpacklo_epi8(c2, c3), b1 = _mm256_unpackhi_epi8(c2, c3);
+  const __m512i z0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a0, b0)),
+                                        _mm256_unpackhi_epi16(a0, b0), 1);
+  const __m512i z1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a1, b1)),
+                                        _mm256_unpackhi_epi16(a1, b1), 1);
+  w[0] = _mm512_and_si512(z0, low);
+  w[1] = _mm512_and_si512(z1, low);
+  w[2] = _mm512_and_si512(_mm512_srli_epi16(z0, 4), low);
+  w[3] = _mm512_and_si512(_mm512_srli_epi16(z1, 4), low);
+}
+
+// s and (z - 8 s) of one group's 64 outputs, in row order, from their (s, z) bf16 pairs.
+static inline void group_scales(const at::BFloat16* pairs, __m512* s, __m512* z) {
+  const int32_t* p = reinterpret_cast<const int32_t*>(pairs);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i pair = _mm512_loadu_si512(p + 16 * v);
+    s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
+    z[v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[v],
+                            _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(-65536))));
   }
 }
 
-// R rows of x against one unpacked group: tot[r][64] += s d sum(xq q) + z d sum(xq).
+// tot (64 outputs in row order) += s d sum(xq q) + (z - 8 s) d sum(xq), from one row's
+// group sums in unpack4's lane order.
+static inline void add_group(const __m512i* acc, const __m512* s, const __m512* z, float d,
+                             float dsum, __m512* tot) {
+  const __m512i lo_rows = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi_rows = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i rows[4] = {_mm512_permutex2var_epi32(acc[0], lo_rows, acc[1]),
+                           _mm512_permutex2var_epi32(acc[0], hi_rows, acc[1]),
+                           _mm512_permutex2var_epi32(acc[2], lo_rows, acc[3]),
+                           _mm512_permutex2var_epi32(acc[2], hi_rows, acc[3])};
+  const __m512 dv = _mm512_set1_ps(d), sum = _mm512_set1_ps(dsum);
+  for (int v = 0; v < 4; ++v)
+    tot[v] = _mm512_fmadd_ps(_mm512_mul_ps(s[v], dv), _mm512_cvtepi32_ps(rows[v]),
+                             _mm512_fmadd_ps(z[v], sum, tot[v]));
+}
+
+// R rows of x against one unpacked group (w: group/4 x 4 vectors): tot[r][64] += ...
 // xq4: row r's group at xq4[r * xstride]; dx, xs: row r's at [r * gstride].
 template <int R>
 static inline void group_rows(const __m512i* w, int64_t steps, const int32_t* xq4,
                               int64_t xstride, const float* dx, const float* xs,
                               int64_t gstride, const __m512* s, const __m512* z, float* tot) {
-  const __m512i lo_rows = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi_rows = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   __m512i acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
@@ -136,16 +160,10 @@ static inline void group_rows(const __m512i* w, int64_t steps, const int32_t* xq
     }
   }
   for (int r = 0; r < R; ++r) {
-    const __m512 d = _mm512_set1_ps(dx[r * gstride]), sum = _mm512_set1_ps(xs[r * gstride]);
-    const __m512i rows[4] = {_mm512_permutex2var_epi32(acc[r][0], lo_rows, acc[r][1]),
-                             _mm512_permutex2var_epi32(acc[r][0], hi_rows, acc[r][1]),
-                             _mm512_permutex2var_epi32(acc[r][2], lo_rows, acc[r][3]),
-                             _mm512_permutex2var_epi32(acc[r][2], hi_rows, acc[r][3])};
-    float* out = tot + r * 64;
-    for (int v = 0; v < 4; ++v)
-      _mm512_storeu_ps(out + 16 * v, _mm512_fmadd_ps(
-          _mm512_mul_ps(s[v], d), _mm512_cvtepi32_ps(rows[v]),
-          _mm512_fmadd_ps(z[v], sum, _mm512_loadu_ps(out + 16 * v))));
+    __m512 t4[4];
+    for (int v = 0; v < 4; ++v) t4[v] = _mm512_loadu_ps(tot + r * 64 + 16 * v);
+    add_group(acc[r], s, z, dx[r * gstride], xs[r * gstride], t4);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(tot + r * 64 + 16 * v, t4[v]);
   }
 }
 
@@ -156,9 +174,6 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
                            const uint8_t* blk, const at::BFloat16* sz, float* out, int64_t n,
                            int64_t k, int64_t group) {
   const int64_t groups = k / group;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i lo_rows = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi_rows = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
   __m512 tot[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) tot[r][v] = _mm512_setzero_ps();
@@ -167,44 +182,17 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
     for (int64_t i = g * group; i < (g + 1) * group; i += 4) {
-      const uint8_t* src = blk + i * 32;
-      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256i c2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-      const __m256i c3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-      const __m256i a0 = _mm256_unpacklo_epi8(c0, c1), a1 = _mm256_unpackhi_epi8(c0, c1);
-      const __m256i b0 = _mm256_unpacklo_epi8(c2, c3), b1 = _mm256_unpackhi_epi8(c2, c3);
-      const __m512i z0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a0, b0)),
-                                            _mm256_unpackhi_epi16(a0, b0), 1);
-      const __m512i z1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a1, b1)),
-                                            _mm256_unpackhi_epi16(a1, b1), 1);
-      const __m512i w[4] = {_mm512_and_si512(z0, low), _mm512_and_si512(z1, low),
-                            _mm512_and_si512(_mm512_srli_epi16(z0, 4), low),
-                            _mm512_and_si512(_mm512_srli_epi16(z1, 4), low)};
+      __m512i w[4];
+      unpack4(blk + i * 32, w);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_set1_epi32(xq4[r * (k / 4) + i / 4]);
         for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xv);
       }
     }
-    // s and z of this group's 64 rows: (s, z) bf16 pairs, one per 32-bit lane
-    const int32_t* p = reinterpret_cast<const int32_t*>(sz + g * n * 2);
     __m512 s[4], z[4];
-    for (int v = 0; v < 4; ++v) {
-      const __m512i pair = _mm512_loadu_si512(p + 16 * v);
-      s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      z[v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[v],
-                              _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(-65536))));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 d = _mm512_set1_ps(dx[r * groups + g]), xs = _mm512_set1_ps(xsum[r * groups + g]);
-      const __m512i rows[4] = {_mm512_permutex2var_epi32(acc[r][0], lo_rows, acc[r][1]),
-                               _mm512_permutex2var_epi32(acc[r][0], hi_rows, acc[r][1]),
-                               _mm512_permutex2var_epi32(acc[r][2], lo_rows, acc[r][3]),
-                               _mm512_permutex2var_epi32(acc[r][2], hi_rows, acc[r][3])};
-      for (int v = 0; v < 4; ++v)
-        tot[r][v] = _mm512_fmadd_ps(_mm512_mul_ps(s[v], d), _mm512_cvtepi32_ps(rows[v]),
-                                    _mm512_fmadd_ps(z[v], xs, tot[r][v]));
-    }
+    group_scales(sz + g * n * 2, s, z);
+    for (int r = 0; r < R; ++r)
+      add_group(acc[r], s, z, dx[r * groups + g], xsum[r * groups + g], tot[r]);
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + r * 64 + 16 * v, tot[r][v]);
@@ -220,16 +208,9 @@ static void int4_tile_vnni(const int32_t* xq4, const float* dx, const float* xsu
   std::vector<float> tot((r1 - r0) * 64, 0.f);
   const uint8_t* blk = codes + b * k * 32;
   for (int64_t g = 0; g < groups; ++g) {
-    unpack_group(blk + g * group * 32, steps, w);
-    // s and z of this group's 64 outputs: (s, z) bf16 pairs, one per 32-bit lane
-    const int32_t* p = reinterpret_cast<const int32_t*>(sz + (g * n + b * 64) * 2);
+    for (int64_t t = 0; t < steps; ++t) unpack4(blk + (g * group + 4 * t) * 32, w + 4 * t);
     __m512 s[4], z[4];
-    for (int v = 0; v < 4; ++v) {
-      const __m512i pair = _mm512_loadu_si512(p + 16 * v);
-      s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-      z[v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[v],
-                              _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(-65536))));
-    }
+    group_scales(sz + (g * n + b * 64) * 2, s, z);
     for (int64_t r = r0; r < r1; r += 4) {
       const int32_t* xr = xq4 + r * (k / 4) + g * steps;
       const float* dr = dx + r * groups + g;
@@ -356,22 +337,9 @@ static void int8_rows(const float* x, const int8_t* w, const T* scales, T* y, in
 // are bfloat16 numbers) and dotted with every row of x by vdpbf16ps, 32 products per
 // instruction, summed in float32: the same products and sums as above, about twice as
 // many per instruction as float32 multiply-adds.
-template <int R>
-static inline void bf16_dots(const __m512i* wv, int64_t steps, const at::BFloat16* x,
-                             int64_t k, float* out) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < steps; ++t) {
-    const __m512bh wt = (__m512bh)_mm512_load_si512(wv + t);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], wt, (__m512bh)_mm512_loadu_si512(x + r * k + 32 * t));
-  }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-}
-
 // Two weight rows at once (w0, w1: steps vectors apart), each x load used twice.
 template <int R>
-static inline void bf16_dots2(const __m512i* wv, int64_t steps, const at::BFloat16* x,
+static inline void bf16_dots(const __m512i* wv, int64_t steps, const at::BFloat16* x,
                               int64_t k, float* out0, float* out1) {
   __m512 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
@@ -408,30 +376,19 @@ static void int8_matmul_bf16(const at::BFloat16* x, const int8_t* w, const at::B
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t o = 2 * p;
       const bool pair = o + 1 < n;
-      widen_row(w + o * k, steps, wv.data());
-      if (pair) widen_row(w + (o + 1) * k, steps, wv.data() + steps);
+      widen_row(w + o * k, steps, wv.data());     // an odd last row is paired with itself
+      widen_row(w + (pair ? o + 1 : o) * k, steps, wv.data() + steps);
       const float s0 = static_cast<float>(sc[o]), s1 = pair ? static_cast<float>(sc[o + 1]) : 0.f;
       for (int64_t r0 = 0; r0 < m; r0 += 6) {
         const at::BFloat16* xr = x + r0 * k;
         const int64_t rows = std::min<int64_t>(6, m - r0);
-        if (pair) {
-          switch (rows) {
-            case 1: bf16_dots2<1>(wv.data(), steps, xr, k, d0, d1); break;
-            case 2: bf16_dots2<2>(wv.data(), steps, xr, k, d0, d1); break;
-            case 3: bf16_dots2<3>(wv.data(), steps, xr, k, d0, d1); break;
-            case 4: bf16_dots2<4>(wv.data(), steps, xr, k, d0, d1); break;
-            case 5: bf16_dots2<5>(wv.data(), steps, xr, k, d0, d1); break;
-            default: bf16_dots2<6>(wv.data(), steps, xr, k, d0, d1);
-          }
-        } else {
-          switch (rows) {
-            case 1: bf16_dots<1>(wv.data(), steps, xr, k, d0); break;
-            case 2: bf16_dots<2>(wv.data(), steps, xr, k, d0); break;
-            case 3: bf16_dots<3>(wv.data(), steps, xr, k, d0); break;
-            case 4: bf16_dots<4>(wv.data(), steps, xr, k, d0); break;
-            case 5: bf16_dots<5>(wv.data(), steps, xr, k, d0); break;
-            default: bf16_dots<6>(wv.data(), steps, xr, k, d0);
-          }
+        switch (rows) {
+          case 1: bf16_dots<1>(wv.data(), steps, xr, k, d0, d1); break;
+          case 2: bf16_dots<2>(wv.data(), steps, xr, k, d0, d1); break;
+          case 3: bf16_dots<3>(wv.data(), steps, xr, k, d0, d1); break;
+          case 4: bf16_dots<4>(wv.data(), steps, xr, k, d0, d1); break;
+          case 5: bf16_dots<5>(wv.data(), steps, xr, k, d0, d1); break;
+          default: bf16_dots<6>(wv.data(), steps, xr, k, d0, d1);
         }
         for (int64_t r = 0; r < rows; ++r) {
           y[(r0 + r) * n + o] = static_cast<at::BFloat16>(d0[r] * s0);
