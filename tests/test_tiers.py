@@ -118,23 +118,29 @@ def test_cap_cuts_lower_tier_prefill_before_decodes():
     assert [got[r.request_id] for r in reqs] == [1] * 5 and got["r7"] == 9
 
 
-@pytest.mark.parametrize("decode_cap", [None, 0.050, 0.0])
-def test_steps_with_decodes_keep_to_the_decode_cap_without_priority(decode_cap):
-    """No priority request about: a long default prompt arriving while others stream is
-    cut so the step stays within decode_step_time_s (default four times the priority cap);
-    0 turns that off and the prompt takes the whole budget."""
-    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
-    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=256,
-                       step_time_model=model, step_time_limit_s=0.030,
+def _long_prompt_among_streams(model, streams: int, decode_cap):
+    """`streams` default requests decoding, then a 400-token default prompt arrives (r9;
+    no priority request about): (the streams, tokens per request in the next step, it)."""
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
+                       max_num_seqs=32, step_time_model=model, step_time_limit_s=0.030,
                        decode_step_time_s=decode_cap)
-    reqs = make_requests(4, prompt_len=4, max_tokens=50, tier=D)
+    reqs = make_requests(streams, start=10, prompt_len=4, max_tokens=50, tier=D)
     for r in reqs:
         s.add_request(r)
     while any(r.num_output_tokens == 0 for r in reqs):
         step(s)
     s.add_request(make_requests(1, start=9, prompt_len=400, max_tokens=2, tier=D)[0])
     out = step(s)
-    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    return reqs, {x.request_id: len(x.token_ids) for x in out.seqs}, out
+
+
+@pytest.mark.parametrize("decode_cap", [None, 0.050, 0.0])
+def test_steps_with_decodes_keep_to_the_decode_cap_without_priority(decode_cap):
+    """No priority request about: a long default prompt arriving while others stream is
+    cut so the step stays within decode_step_time_s (default four times the priority cap);
+    0 turns that off and the prompt takes the whole budget."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    reqs, got, out = _long_prompt_among_streams(model, 4, decode_cap)
     assert [got[r.request_id] for r in reqs] == [1] * 4            # no decode is cut
     limit = {None: 0.120, 0.050: 0.050, 0.0: None}[decode_cap]
     if limit is None:
@@ -149,21 +155,11 @@ def test_many_streams_over_the_decode_cap_still_let_a_prompt_in():
     """When the decodes alone predict more than the decode cap (many streams), a waiting
     prompt still gets a chunk: the step may reach twice the decodes' own time."""
     model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
-    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
-                       max_num_seqs=32, step_time_model=model, step_time_limit_s=0.030,
-                       decode_step_time_s=0.040)
-    reqs = make_requests(20, prompt_len=4, max_tokens=50, tier=D)
-    for r in reqs:
-        s.add_request(r)
-    while any(r.num_output_tokens == 0 for r in reqs):
-        step(s)
-    s.add_request(make_requests(1, start=99, prompt_len=400, max_tokens=2, tier=D)[0])
-    out = step(s)
-    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    reqs, got, _ = _long_prompt_among_streams(model, 20, 0.040)
     assert [got[r.request_id] for r in reqs] == [1] * 20           # no decode is cut
     # decodes alone: 10 ms + 20 x 2 ms = 50 ms, over the 40 ms cap; the step may take
     # 100 ms, so the prompt gets 1 ms + 1 ms a token of the other 50: 49 tokens
-    assert got["r99"] == 49
+    assert got["r9"] == 49
 
 
 def test_flex_is_refused_after_its_wait_limit_and_started_flex_is_not():
