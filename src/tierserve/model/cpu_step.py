@@ -14,7 +14,7 @@ each layer is four linear calls and four fused loops, driven from C++:
     m = linear(x); the next layer's norm adds it to h
 
 The linears are the same ones the Python model holds: oneDNN's packed bfloat16
-(cpu_linear.py), a dense matmul, this file's kernels over quant.py's packed int4 and int8
+(cpu_linear.py), a dense matmul, cpu_quant.py's kernels over quant.py's packed int4 and int8
 weights, or, for anything else (an int8 layer over its dequantize threshold), the Python
 module itself. The math matches the Python path's up to rounding: the fused loops compute
 in float32 and round once, where the torch ops round after each operator; and the 4-bit
