@@ -139,7 +139,7 @@ class Database:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(path, timeout=30, check_same_thread=False,
                                         isolation_level=None)
-            self.conn.execute("PRAGMA journal_mode=WAL")
+            _enter_wal(self.conn)
             self.conn.execute("PRAGMA synchronous=NORMAL")
 
     def _connect_postgres(self):
@@ -253,6 +253,22 @@ class Database:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def _enter_wal(conn, timeout_s: float = 30.0) -> None:
+    """Switch a new SQLite connection to WAL. While another connection is switching the
+    same new file, SQLite answers this pragma "database is locked" at once, without its
+    busy handler (the `timeout` of connect does not apply), so it is retried here for as
+    long as connect would wait: four gateways starting at once failed 26 times in 300."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _sqlite_dict(cursor, values) -> dict:
