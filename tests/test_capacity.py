@@ -9,8 +9,10 @@ import time
 import httpx
 import pytest
 
+from conftest import get_engine
 from test_batch import jsonl, request_line
 from test_server import MODEL, LiveServer
+from tierserve.engine.async_engine import AsyncEngine
 from tierserve.errors import ConfigError
 from tierserve.server.settings import ServerSettings
 from tierserve.sim.schedule import HourPlan, Schedule, parse_schedule
@@ -31,17 +33,21 @@ def schedule(start: float) -> Schedule:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("capacity")
+    # The engine first: loading the model takes seconds when this file runs alone, and
+    # entry 0 (3 s) must still be live once the server answers.
+    engine = AsyncEngine(get_engine(max_num_seqs=10))
+    started_cap = engine.engine.scheduler.step_time_limit_s  # before any entry applies
     start = time.time() + 2.0  # entry 0 starts once the server is up
     srv = LiveServer(ServerSettings(schedule=schedule(start), data_dir=str(root / "d"),
-                                    ledger=str(root / "l.db")), max_num_seqs=10)
-    srv.start = start
+                                    ledger=str(root / "l.db")), async_engine=engine)
+    srv.start, srv.started_cap = start, started_cap
     yield srv
     srv.stop()
 
 
 def test_the_engine_follows_the_schedule_and_no_request_is_lost(server):
     sched = server.engine.scheduler
-    started_cap = sched.step_time_limit_s
+    started_cap = server.started_cap
     statuses, stop = [], threading.Event()
 
     def load():
