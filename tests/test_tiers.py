@@ -9,6 +9,7 @@ from conftest import (FakeRunner, check_scheduler_invariants, make_requests, mak
                       run_to_completion)
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.scheduler import SchedulerOutput
 from tierserve.core.step_time import StepTimeModel
 
 P, D, F, B = Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX, Tier.BATCH
@@ -131,7 +132,7 @@ def _long_prompt_among_streams(model, streams: int, decode_cap):
         step(s)
     s.add_request(make_requests(1, start=9, prompt_len=400, max_tokens=2, tier=D)[0])
     out = step(s)
-    return reqs, {x.request_id: len(x.token_ids) for x in out.seqs}, out
+    return reqs, {x.request_id: len(x.token_ids) for x in out.seqs}, out, s
 
 
 @pytest.mark.parametrize("decode_cap", [None, 0.050, 0.0])
@@ -140,7 +141,7 @@ def test_steps_with_decodes_keep_to_the_decode_cap_without_priority(decode_cap):
     cut so the step stays within decode_step_time_s (default four times the priority cap);
     0 turns that off and the prompt takes the whole budget."""
     model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
-    reqs, got, out = _long_prompt_among_streams(model, 4, decode_cap)
+    reqs, got, out, _ = _long_prompt_among_streams(model, 4, decode_cap)
     assert [got[r.request_id] for r in reqs] == [1] * 4            # no decode is cut
     limit = {None: 0.120, 0.050: 0.050, 0.0: None}[decode_cap]
     if limit is None:
@@ -155,11 +156,30 @@ def test_many_streams_over_the_decode_cap_still_let_a_prompt_in():
     """When the decodes alone predict more than the decode cap (many streams), a waiting
     prompt still gets a chunk: the step may reach twice the decodes' own time."""
     model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
-    reqs, got, _ = _long_prompt_among_streams(model, 20, 0.040)
+    reqs, got, _, _ = _long_prompt_among_streams(model, 20, 0.040)
     assert [got[r.request_id] for r in reqs] == [1] * 20           # no decode is cut
     # decodes alone: 10 ms + 20 x 2 ms = 50 ms, over the 40 ms cap; the step may take
     # 100 ms, so the prompt gets 1 ms + 1 ms a token of the other 50: 49 tokens
     assert got["r9"] == 49
+
+
+def test_the_cap_corrects_its_model_from_the_steps_it_sizes():
+    """Steps whose prefill the cap sized running 1.5x over their prediction shrink the
+    next chunk so the step holds in measured time; decode-only steps, which the cap never
+    cuts, leave the correction alone however far off they are."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    reqs, got, mixed, s = _long_prompt_among_streams(model, 4, 0.080)
+    assert mixed.capped and got["r9"] == 61                        # 80 ms predicted
+    decodes = SchedulerOutput(seqs=mixed.seqs[:4], predicted_s=0.018)
+    for _ in range(20):
+        s.observe_step_time(decodes, 0.009)
+    assert not decodes.capped and s.step_time_ratio == 1.0
+    for _ in range(40):
+        s.observe_step_time(mixed, 1.5 * mixed.predicted_s)
+    assert s.step_time_ratio == pytest.approx(1.5, abs=1e-3)
+    got = {x.request_id: len(x.token_ids) for x in step(s).seqs}
+    # 80 / 1.5 = 53.3 ms: 18 ms of decodes, 1 ms for the prompt, 34 tokens
+    assert [got[r.request_id] for r in reqs] == [1] * 4 and got["r9"] == 34
 
 
 def test_flex_is_refused_after_its_wait_limit_and_started_flex_is_not():

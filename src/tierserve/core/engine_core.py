@@ -111,9 +111,7 @@ class EngineCore:
                     stats.first_token_time = end
                 stats.token_times += [end] * new
         self._record_step(out, start, end)
-        if out.predicted_s is not None:
-            self.scheduler.observe_step_time(out.predicted_s,
-                                             end - start if measured_s is None else measured_s)
+        self.scheduler.observe_step_time(out, end - start if measured_s is None else measured_s)
         return touched
 
     def _record_step(self, out: SchedulerOutput, start: float, end: float) -> None:
