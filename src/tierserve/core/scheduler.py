@@ -32,7 +32,8 @@ NOTE: the step-time cap (tiered)
     (StepTimeModel) must stay within `step_time_limit_s`, divided by the smoothed ratio of
     measured to predicted time of recent steps whose prefill the cap sized (so model error
     does not leak into TPOT; decode-only steps, which it never cuts, do not count: their
-    error differs, and with them in the ratio a 4-bit model's mixed steps ran 1.3x over).
+    error differs, and with them in the ratio a 4-bit model's mixed steps ran up to 1.3x
+    over).
     So priority's time per output token holds however much other work is queued, and a
     priority arrival waits at most one short step before its own. Priority sequences are
     never cut. A step that gives a priority request its first token carries no lower-tier
@@ -272,8 +273,8 @@ class Scheduler:
     def observe_step_time(self, out: SchedulerOutput, measured_s: float) -> None:
         """Feed back a step's measured time (the engine calls this after each step). Only
         steps whose prefill the cap sized count: the model's error differs between
-        decode-only steps and mixed ones (1.0 against 1.3 for a 4-bit model at 16
-        streams), and the cap only ever cuts the mixed ones."""
+        decode-only steps and mixed ones (0.9-1.1 against up to 1.3 for a 4-bit model at
+        16 and 64 streams), and the cap only ever cuts the mixed ones."""
         if out.capped and out.predicted_s:
             ratio = min(max(measured_s / out.predicted_s, 0.5), 2.0)
             self.step_time_ratio += 0.2 * (ratio - self.step_time_ratio)
