@@ -25,6 +25,9 @@ SOURCE = r"""
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 static inline float to_float(float x) { return x; }
 static inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
@@ -89,6 +92,65 @@ static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* ta
   }
 }
 
+#if defined(__AVX512BF16__)
+// The same for bfloat16 with AVX-512 BF16, in registers: each key row is dotted with the
+// query heads by vdpbf16ps (products of two bf16 numbers are exact; sums in float32, as
+// above) with no widened copy, and each value row is widened once in registers for all g
+// heads. The scale multiplies the dot instead of the query. At 64 sequences of ~190
+// tokens the portable loop above took ~27 ms of a 100 ms step (2-core EPYC).
+template <int D>
+static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
+                              const at::BFloat16* vc, const int64_t* table, int64_t L,
+                              at::BFloat16* out, int64_t H, int64_t Hkv, int64_t bs,
+                              float scale, float* scores) {
+  constexpr int KV = D / 32, VV = D / 16;  // vectors of 32 bf16 / 16 floats per row
+  const int64_t g = H / Hkv, row = Hkv * D;
+  for (int64_t h = 0; h < Hkv; ++h) {
+    __m512bh qv[8][KV];
+    for (int64_t j = 0; j < g; ++j)
+      for (int v = 0; v < KV; ++v)
+        qv[j][v] = (__m512bh)_mm512_loadu_si512(q + (h * g + j) * D + 32 * v);
+    for (int64_t t = 0; t < L; ++t) {
+      const at::BFloat16* k = kc + (table[t / bs] * bs + t % bs) * row + h * D;
+      __m512bh kv[KV];
+      for (int v = 0; v < KV; ++v) kv[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        for (int v = 0; v < KV; ++v) a = _mm512_dpbf16_ps(a, qv[j][v], kv[v]);
+        scores[j * L + t] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores + j * L;
+      float mx = -INFINITY, sum = 0.f;
+      for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
+      for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
+      for (int64_t t = 0; t < L; ++t) sum += sj[t];
+      const float inv = 1.f / sum;
+      for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
+    }
+    __m512 acc[8][VV];
+    for (int64_t j = 0; j < g; ++j)
+      for (int u = 0; u < VV; ++u) acc[j][u] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const at::BFloat16* v = vc + (table[t / bs] * bs + t % bs) * row + h * D;
+      __m512 vf[VV];
+      for (int u = 0; u < VV; ++u)
+        vf[u] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(v + 16 * u)));
+      for (int64_t j = 0; j < g; ++j) {
+        const __m512 p = _mm512_set1_ps(scores[j * L + t]);
+        for (int u = 0; u < VV; ++u) acc[j][u] = _mm512_fmadd_ps(p, vf[u], acc[j][u]);
+      }
+    }
+    for (int64_t j = 0; j < g; ++j)
+      for (int u = 0; u < VV; ++u)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (h * g + j) * D + 16 * u),
+                            (__m256i)_mm512_cvtneps_pbh(acc[j][u]));
+  }
+}
+#endif
+
 template <typename T, int D>
 static void run(const T* q, const T* kc, const T* vc, const int64_t* tables,
                 const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
@@ -97,9 +159,17 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* tables,
   for (int64_t s = 0; s < B; ++s) max_len = std::max(max_len, lens[s]);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(8 * max_len), kf(D);
-    for (int64_t s = begin; s < end; ++s)
+    for (int64_t s = begin; s < end; ++s) {
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same<T, at::BFloat16>::value) {
+        one_sequence_bf16<D>(q + s * H * D, kc, vc, tables + s * width, lens[s],
+                             out + s * H * D, H, Hkv, bs, scale, scores.data());
+        continue;
+      }
+#endif
       one_sequence<T, D>(q + s * H * D, kc, vc, tables + s * width, lens[s], out + s * H * D,
                          H, Hkv, bs, scale, scores.data(), kf.data());
+    }
   });
 }
 
