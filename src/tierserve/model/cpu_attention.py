@@ -8,7 +8,10 @@ kernel walks each sequence's block table and reads keys and values where they li
 For each sequence, in parallel: every query head takes its scores against every context
 position of its KV head (each token's K and V row, all KV heads, is read once and
 contiguously), then a softmax and the weighted sum of values, all in float32. Each sequence is computed alone, so a sequence's output
-does not depend on what else is in the batch.
+does not depend on what else is in the batch. With bfloat16 caches on a CPU with AVX-512
+BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly and the value rows are
+widened in registers: a step's cost per context token at 64 sequences fell from 0.154 to
+0.085-0.116 ms (benchmarks/decode_context.py, docs/benchmarks.md).
 
 The kernel is compiled with the lean step as one extension (model/kernels.py: at install
 time, or on first use). If that fails, or with TIERSERVE_NO_KERNELS=1, `kernels.load()`
