@@ -51,6 +51,19 @@ static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
 }
 
+// Softmax of each of g rows of L scores, in place.
+static inline void softmax_rows(float* scores, int64_t g, int64_t L) {
+  for (int64_t j = 0; j < g; ++j) {
+    float* sj = scores + j * L;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
+    for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
+    for (int64_t t = 0; t < L; ++t) sum += sj[t];
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
+  }
+}
+
 // One sequence, head dim D fixed at compile time so the per-head accumulators stay in
 // vector registers. Loop order: per KV head, per token: widen K (or V) once, use it for
 // the g query heads that share it.
@@ -72,15 +85,7 @@ static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* ta
         scores[j * L + t] = dot;
       }
     }
-    for (int64_t j = 0; j < g; ++j) {
-      float* sj = scores + j * L;
-      float mx = -INFINITY, sum = 0.f;
-      for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
-      for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
-      for (int64_t t = 0; t < L; ++t) sum += sj[t];
-      const float inv = 1.f / sum;
-      for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
-    }
+    softmax_rows(scores, g, L);
     float acc[8][D] = {};
     for (int64_t t = 0; t < L; ++t) {
       const T* v = vc + (table[t / bs] * bs + t % bs) * row + h * D;
@@ -123,15 +128,7 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         scores[j * L + t] = _mm512_reduce_add_ps(a) * scale;
       }
     }
-    for (int64_t j = 0; j < g; ++j) {
-      float* sj = scores + j * L;
-      float mx = -INFINITY, sum = 0.f;
-      for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
-      for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
-      for (int64_t t = 0; t < L; ++t) sum += sj[t];
-      const float inv = 1.f / sum;
-      for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
-    }
+    softmax_rows(scores, g, L);
     __m512 acc[8][VV];
     for (int64_t j = 0; j < g; ++j)
       for (int u = 0; u < VV; ++u) acc[j][u] = _mm512_setzero_ps();
