@@ -17,8 +17,6 @@ each is a short function; splitting would scatter one benchmark's config over fi
     metering    the gateway's per-request cost estimate vs the replicas' exact meters
 Every scenario prints one line per configuration. Load goes to loopback only. On two
 cores the client, the gateway and the replica share the CPU: read ratios, not absolutes.
-One file of about 460 lines: the scenarios share the process helpers and the load client,
-and read best side by side.
 """
 
 import argparse

@@ -1,8 +1,5 @@
 """The scheduler: which tokens of which requests run in the next engine step.
 
-About 520 lines, kept whole: scheduling, preemption and the step's update share the
-request queues and the block manager's invariants, which are checked together.
-
 NOTE: the algorithm (schedule tokens, not phases)
     Each request has `num_computed_tokens` (KV in cache) and `num_tokens` (prompt plus
     output so far). A step hands out at most `max_num_batched_tokens` tokens to at most
@@ -49,9 +46,10 @@ NOTE: the step-time cap (tiered)
     long prompt's prefill chunks do not stall every stream in flight; where the decodes
     alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time.
 
-Why one file of about 550 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 570 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
-the next request may take), so they share the `_Step` state and read best side by side.
+the next request may take), so they share the `_Step` state and read best side by side;
+the step's update shares the queues and the block manager's invariants, checked together.
 The policies (core/policy.py) and the step-time model (core/step_time.py) live apart.
 """
 

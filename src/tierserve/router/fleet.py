@@ -1,8 +1,9 @@
 """Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
 checks, retries and metering.
 
-About 430 lines, kept whole: a request's dispatch, retry, metering and single finish share
-the `_Request` record and must stay in one place for "finishes exactly once" to be readable.
+About 430 lines, kept whole: the Backend methods, the dispatcher and the health loop share
+one request table; a request's dispatch, retry, metering and single finish share its
+`_Request` record, and "finishes exactly once" is readable only in one place.
 
 NOTE: one request's life
     `submit` queues it at the gateway (router/flow.py decides when and where it goes); the
@@ -19,10 +20,6 @@ NOTE: health
     Each replica's /health is polled every `health_interval_s`, and vLLM's /metrics (KV
     use, waiting queue) scraped with it. A failed poll or a broken request takes the
     replica out of the rotation; the next good poll brings it back.
-
-About 410 lines: the Backend methods, the dispatcher and the health loop share one
-request table and its locking-free invariants (a request finishes exactly once), which
-read more safely in one place than split.
 """
 
 import asyncio
