@@ -17,7 +17,8 @@ import torch
 
 from tierserve.model.metadata import default_model_path
 from tierserve.model.tokenizer import Tokenizer
-from tierserve.worker.grammar import GrammarCompiler, GrammarSpec, GrammarState
+from tierserve.structured import GrammarSpec
+from tierserve.worker.grammar import GrammarCompiler, GrammarState
 
 SCHEMA = {
     "type": "object",

@@ -3,7 +3,7 @@
     python benchmarks/sim_profiling.py [--data data/profiling] [--write]
 
 Per GPU directory under --data (a100 -> a100-80gb, h100 -> h100-sxm; another directory is
-taken as a profile name): fit the curve of sim/opfit.py to every model shape but one,
+taken as a profile name): fit the curve of hardware/opfit.py to every model shape but one,
 predict the held-out shape's per-layer linear time (QKV + O + gate/up + down) at all its
 token counts (1..4096) and TP degrees, and repeat for each shape. Prints one line: per GPU,
 the median and p90 absolute percentage error over the held-out rows (LOO), the same for
@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from tierserve.sim.opfit import (fit_curve, layer_errors, leave_one_out, linearized_errors,
+from tierserve.hardware.opfit import (fit_curve, layer_errors, leave_one_out, linearized_errors,
                                  load_profiles, median_p90)
-from tierserve.sim.step_time import PROFILE_DIR, load_hardware
+from tierserve.hardware.roofline import PROFILE_DIR, load_hardware
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "profiling"
 PROFILE_OF = {"a100": "a100-80gb", "h100": "h100-sxm"}

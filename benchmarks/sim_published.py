@@ -25,7 +25,8 @@ from tierserve.config import SchedulerConfig
 from tierserve.model.metadata import resolve
 from tierserve.sim.fleet import machine_for
 from tierserve.sim.loop import Simulator
-from tierserve.sim.report import summarize, table
+from tierserve.sim.report import summarize
+from tierserve.tables import table
 from tierserve.sim.workload import SimRequest
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -19,7 +19,7 @@ import torch
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.llm import engine_config
 from tierserve.sampling_params import SamplingParams
-from tierserve.worker.grammar import GrammarSpec
+from tierserve.structured import GrammarSpec
 
 SCHEMA = {
     "type": "object",

@@ -7,8 +7,9 @@ import pytest
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
-from tierserve.core.request import Request, Tier
+from tierserve.core.request import Request
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from tierserve.tiers import Tier
 
 # Step-time calibrations are cached per machine and configuration (engine/calibrate.py):
 # the suite keeps its own, so it neither reads nor fills the user's cache.

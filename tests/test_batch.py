@@ -17,6 +17,7 @@ from test_server import LiveServer
 from tierserve.cli import main
 from tierserve.metering.ledger import connect
 from tierserve.server.settings import ServerSettings, Tenant
+from tierserve.tiers import Tier
 
 openai = pytest.importorskip("openai")
 MODEL = "smol"
@@ -250,7 +251,7 @@ def test_priority_requests_jump_a_large_batch(server):
     assert queue_s < line_s, queue_s
     preempted = {t: n - before.get(t, 0)
                  for t, n in server.engine.scheduler.preemptions_by_tier.items()}
-    assert {t for t, n in preempted.items() if n} == {"batch"}
+    assert {t for t, n in preempted.items() if n} == {Tier.BATCH}
     batch = wait_final(client, batch.id)
     assert batch.status == "completed" and batch.request_counts.completed == 48
 

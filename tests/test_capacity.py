@@ -15,7 +15,7 @@ from test_server import MODEL, LiveServer
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.errors import ConfigError
 from tierserve.server.settings import ServerSettings
-from tierserve.sim.schedule import HourPlan, Schedule, parse_schedule
+from tierserve.schedule import HourPlan, Schedule, parse_schedule
 
 HOUR_S = 3.0
 ENTRIES = [  # (max_num_seqs, reserved, step cap, batch, replicas)

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import generate, get_engine
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -264,10 +265,10 @@ def test_priority_outputs_are_identical_under_background_load(alone):
     preempted = engine.scheduler.preemptions_by_tier
     assert [done[i].outputs[0].token_ids for i in ids[:3]] == expected[:3]
     assert done[ids[3]].outputs[0].token_ids == quiet
-    assert all(done[i].metrics.tier == "priority" for i in ids)
+    assert all(done[i].metrics.tier == Tier.PRIORITY for i in ids)
     assert all(done[i].outputs[0].finish_reason == "length" for i in background)
-    assert preempted["priority"] == 0 and sum(preempted.values()) > 0
-    assert engine.scheduler.recomputed_tokens_by_tier["priority"] == 0
+    assert preempted[Tier.PRIORITY] == 0 and sum(preempted.values()) > 0
+    assert engine.scheduler.recomputed_tokens_by_tier[Tier.PRIORITY] == 0
     assert_all_blocks_free(engine)
 
 

@@ -79,8 +79,10 @@ def test_a_flex_request_with_no_room_is_refused(replicas):
     gw = Gateway([r.spec() for r in replicas], flow=flow)
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            # Long enough to hold both lower slots well past the flex wait on a fast CPU
+            # (60 tokens, the old length, were done in 0.5 s on an EPYC of family 26).
             busy = [pool.submit(lambda: httpx.post(gw.url + "/v1/completions", json={
-                "model": MODEL, "prompt": "Long story:", "max_tokens": 60, "ignore_eos": True},
+                "model": MODEL, "prompt": "Long story:", "max_tokens": 400, "ignore_eos": True},
                 timeout=120)) for _ in range(2)]
             time.sleep(0.5)
             flex = httpx.post(gw.url + "/v1/completions", json={
@@ -228,9 +230,9 @@ def test_replica_connections_are_kept_alive_and_a_closed_one_is_replaced(replica
     replica would close while idle (uvicorn: after 5 s) is not used again."""
     import asyncio
 
-    from tierserve.core.request import Tier
     from tierserve.router import remote
     from tierserve.router.remote import ReplicaSpec
+    from tierserve.tiers import Tier
 
     spec = ReplicaSpec(replicas[0].url, [MODEL], "tierserve", name="a")
     body = remote.upstream_body(spec, "/v1/completions", {"prompt": "Hello", "max_tokens": 2},

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierserve.core.request import Tier
 from tierserve.core.step_time import StepTimeModel
+from tierserve.tiers import Tier
 from tierserve.metering.estimate import ReplicaMeter
 from tierserve.router.flow import PREFIX_BLOCK, FlowConfig, Gateway, Pending, ReplicaState, \
     prefix_keys
@@ -223,7 +223,7 @@ def test_the_simulated_fleet_runs_the_gateways_own_code():
     result = sim.run(make_workload("poisson:rate=60,n=600,priority=0.2,flex=0.0,"
                                    "prompt=256-1024,output=64-256,seed=3"))
     assert len(result.requests) == 600
-    ttft = {t: percentile([r.ttft_s for r in result.requests if r.tier == t], 0.9)
+    ttft = {t: percentile([r.ttft_s for r in result.requests if r.tier.label == t], 0.9)
             for t in ("priority", "default")}
     assert ttft["priority"] < 0.5 * ttft["default"], ttft
     assert all(r.finish_reason == "length" for r in result.requests)

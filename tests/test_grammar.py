@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from tierserve.errors import InvalidRequestError
+from tierserve.structured import GrammarSpec, tool_calls_schema
 from tierserve.worker.grammar import (
     GrammarCompiler,
-    GrammarSpec,
     GrammarState,
     GrammarViolationError,
     apply_grammar_masks,
-    tool_calls_schema,
 )
 
 PADDED_VOCAB = 49152 + 40            # the model's logits are wider than the tokenizer

@@ -249,3 +249,34 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
         q.view(batch, kv_heads, g, dim).float(), keys.transpose(1, 2).float(),
         values.transpose(1, 2).float(), attn_mask=mask).reshape(batch, heads, dim)
     assert (out.float() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("model", ["default", "gemma3-270m"])
+def test_the_gateways_tokenizer_gives_the_engines_ids(model, tmp_path):
+    """A fleet gateway counts and renders with `tokenizers` and jinja2 (no transformers,
+    no torch); it must give the same ids and the same chat text as the engine's."""
+    from tierserve.model.metadata import default_model_path, model_path
+    from tierserve.model.tokenizer import Tokenizer
+
+    source = str(default_model_path()) if model == "default" else model
+    try:
+        model_path(source)
+    except ModelLoadError as exc:  # gemma's package is installed by `make install`
+        pytest.skip(f"{model} not installed: {exc}")
+    engine, gateway = Tokenizer.load(source), Tokenizer.for_gateway(source)
+    texts = ["Hello, world!", "  spaces\tand\nnewlines  ", "émigré naïve 東京 🙂", ""]
+    for text in texts:
+        assert gateway.encode(text) == engine.encode(text)
+        assert gateway.encode(text, add_special_tokens=False) == \
+            engine.encode(text, add_special_tokens=False)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+              {"role": "user", "content": "Name a colour."}]]
+    assert gateway.has_chat_template == engine.has_chat_template
+    for messages in chats if engine.has_chat_template else ():
+        assert gateway.apply_chat_template(messages) == engine.apply_chat_template(messages)
+    ids = engine.encode("round trip, of text")
+    assert gateway.decode(ids) == engine.decode(ids)
+    assert gateway.eos_token_id == engine.eos_token_id
+    assert gateway.vocab_size == engine.vocab_size

@@ -8,10 +8,10 @@ import pytest
 
 from tierserve.errors import ConfigError
 from tierserve.model.shapes import preset
-from tierserve.sim import step_time
-from tierserve.sim.opfit import (GemmCurve, LayerTiming, fit_curve, layer_errors, layer_gemms,
+import tierserve.hardware.roofline as hardware_roofline
+from tierserve.hardware.opfit import (GemmCurve, LayerTiming, fit_curve, layer_errors, layer_gemms,
                                  leave_one_out, linearize, load_profiles, median_p90)
-from tierserve.sim.step_time import load_hardware, roofline
+from tierserve.hardware.roofline import load_hardware, roofline
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "profiling"
 A100 = (312e12, 2.039e12)
@@ -80,7 +80,7 @@ def test_linearize_is_exact_on_a_line_and_close_on_the_curve():
 
 
 def test_profiles_load_and_say_where_their_numbers_come_from():
-    names = sorted(p.stem for p in step_time.PROFILE_DIR.glob("*.json"))
+    names = sorted(p.stem for p in hardware_roofline.PROFILE_DIR.glob("*.json"))
     assert {"a100-80gb", "h100-sxm", "h200", "l40s", "l4"} <= set(names)
     hws = {n: load_hardware(n) for n in names}
     assert all(hws[n].fitted_from for n in ("a100-80gb", "h100-sxm", "h200"))
@@ -103,7 +103,7 @@ def test_a_datasheet_only_profile_is_the_additive_roofline(tmp_path, monkeypatch
         {"name": "mygpu", "bf16_tflops": 100, "mem_bw_tbs": 1.0, "mem_gb": 40}))
     (tmp_path / "typo.json").write_text(json.dumps(
         {"name": "typo", "bf16_tflops": 100, "mem_bw_tbs": 1.0, "mem_gb": 40, "kne": 2}))
-    monkeypatch.setattr(step_time, "PROFILE_DIR", tmp_path)
+    monkeypatch.setattr(hardware_roofline, "PROFILE_DIR", tmp_path)
     hw = load_hardware("mygpu")
     assert (hw.eff_flops, hw.eff_bw, hw.knee, hw.kernel_launch_s) == (0.6, 0.8, 1.0, 0.0)
     shape = preset("llama-3-8b")

@@ -73,7 +73,7 @@ def test_dedicated_deployment_serves_priority_on_its_own_replica():
                              "output=4-32,seed=4")
     result = fleet(workload, replicas=3, deployment="dedicated")
     fast, *main_ = result.replicas
-    tier_of = {r.request_id: r.tier for r in result.requests}
+    tier_of = {r.request_id: r.tier.label for r in result.requests}
     assert fast.name == "fast0" and fast.request_ids
     assert all(tier_of[rid] == "priority" for rid in fast.request_ids)
     assert all(tier_of[rid] != "priority" for p in main_ for rid in p.request_ids)

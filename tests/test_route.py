@@ -12,6 +12,7 @@ from tierserve.errors import ConfigError
 from tierserve.route.classifier import Classifier, example_text
 from tierserve.route.conversations import workload
 from tierserve.route.rules import Features, parse_routes
+from tierserve.tiers import Tier
 
 MODELS = {"small", "large"}
 ROUTES = {"assistant": [
@@ -31,13 +32,13 @@ def test_the_first_matching_rule_wins_and_the_default_ends_the_list():
     assert route.choose(Features(turns=1, prompt_tokens=10)).name == "greeting"
     assert route.choose(Features(turns=3, last_user_message="My REFUND?")).name == "ticket"
     assert route.choose(Features(turns=3, tools=True)).name == "tools"
-    assert route.choose(Features(turns=3, tenant="acme", tier="priority")).name == "vip"
-    assert route.choose(Features(turns=3, tenant="acme", tier="default")).name == "rest"
+    assert route.choose(Features(turns=3, tenant="acme", tier=Tier.PRIORITY)).name == "vip"
+    assert route.choose(Features(turns=3, tenant="acme", tier=Tier.DEFAULT)).name == "rest"
     rule = route.choose(Features(turns=2, prompt_tokens=500))
-    assert (rule.name, rule.model, rule.tier) == ("rest", "small", "default")
+    assert (rule.name, rule.model, rule.tier) == ("rest", "small", Tier.DEFAULT)
 
 
-features = st.builds(Features, tier=st.sampled_from(["priority", "default", "flex"]),
+features = st.builds(Features, tier=st.sampled_from([Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX]),
                      tenant=st.sampled_from(["acme", "other"]), turns=st.integers(1, 6),
                      prompt_tokens=st.integers(0, 400),
                      max_tokens=st.none() | st.integers(1, 2000), tools=st.booleans(),

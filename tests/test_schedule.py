@@ -1,4 +1,4 @@
-"""Schedules (sim/schedule.py, sim/hourly.py, sim/replay.py): the YAML format round trip,
+"""Schedules (schedule.py, sim/hourly.py, sim/replay.py): the YAML format round trip,
 pre-warm leads, `plan --forecast`, and a schedule replayed on a diurnal week costing less
 than the static fleet sized for the peak."""
 
@@ -25,7 +25,7 @@ from tierserve.sim.hourly import (
 )
 from tierserve.sim.plan import Cell, Planner
 from tierserve.sim.replay import Replay, compare
-from tierserve.sim.schedule import HourPlan, Schedule, load_schedule, parse_schedule, \
+from tierserve.schedule import HourPlan, Schedule, load_schedule, parse_schedule, \
     save_schedule
 from tierserve.sim.weekly import WeeklyProfile, parse_weekly
 

@@ -1,39 +1,10 @@
 """Scheduler with a fake runner (no torch): budgets, chunking, preemption, ordering."""
 
-import sys
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import FakeRunner, make_requests, make_scheduler, run_to_completion
 from tierserve.core.request import RequestStatus
-
-
-def test_core_imports_no_torch():
-    """Every module of core/, metering/ and sim/ (and the model-shape reading the
-    simulator uses on a real GGUF file) imports without torch."""
-    import subprocess
-    code = ("import sys, pkgutil, importlib, tierserve.core, tierserve.metering, tierserve.sim\n"
-            "for pkg in (tierserve.core, tierserve.metering, tierserve.sim):\n"
-            "    for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + '.'):\n"
-            "        importlib.import_module(m.name)\n"
-            "import tierserve.config, tierserve.engine_args, tierserve.model.shapes\n"
-            "from tierserve.model.metadata import default_model_path, resolve\n"
-            "assert resolve(default_model_path()).num_layers == 30\n"
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_no_import_circles_and_layers_point_down():
-    from layering import import_graph, strongly_connected
-    graph = import_graph()
-    circles = [c for c in strongly_connected(graph) if len(c) > 1]
-    assert not circles, f"import circles: {circles}"
-    for module, imported in graph.items():
-        if module.startswith("tierserve.sim"):
-            assert not any(i.startswith("tierserve.engine") for i in imported), module
-        if module.startswith("tierserve.server"):
-            assert "tierserve.cli" not in imported, module
 
 
 def test_token_budget_and_chunked_prefill():

@@ -12,8 +12,10 @@ import pytest
 
 from conftest import get_engine
 from tierserve.engine.async_engine import AsyncEngine
+from tierserve.router.local import LocalBackend
 from tierserve.server.app import create_app
-from tierserve.server.settings import ServerSettings, Tenant, resolve_tier
+from tierserve.server.settings import ServerSettings, Tenant
+from tierserve.tiers import Tier, resolve
 
 openai = pytest.importorskip("openai")
 MODEL = "smol"
@@ -29,7 +31,7 @@ class LiveServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         settings.port = self.port
-        self.app = create_app(async_engine, settings, MODEL)
+        self.app = create_app(LocalBackend(async_engine), settings, MODEL)
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                     log_level="error"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -261,11 +263,12 @@ def test_api_keys_tenants_and_strict_tiers():
 
 
 def test_tier_resolution_prefers_the_nearest_cheaper_allowed_tier():
-    t = Tenant("t", ["default", "flex"])
-    assert resolve_tier("priority", t) == "default"
-    assert resolve_tier("auto", t) == "default" and resolve_tier(None, t) == "default"
-    assert resolve_tier("flex", Tenant("p", ["priority"])) == "priority"
-    assert resolve_tier("default", Tenant("f", ["flex"])) == "flex"
+    t = Tenant("t", ["default", "flex"]).allowed
+    assert resolve(Tier.from_wire("priority"), t) == Tier.DEFAULT
+    assert resolve(Tier.from_wire("auto"), t) == Tier.DEFAULT
+    assert resolve(Tier.from_wire(None), t) == Tier.DEFAULT
+    assert resolve(Tier.FLEX, Tenant("p", ["priority"]).allowed) == Tier.PRIORITY
+    assert resolve(Tier.DEFAULT, Tenant("f", ["flex"]).allowed) == Tier.FLEX
 
 
 def test_open_mode_refuses_a_public_address():
@@ -403,6 +406,37 @@ def test_costs_in_responses_headers_metrics_and_the_ledger(tmp_path):
         ("team-a", "default", "abort")]
     assert rows[0][7] == pytest.approx(expected) and json.loads(rows[0][8]) == {"feature": "search"}
     assert 0 < rows[2][4] < 200 and rows[2][5] > 0 and rows[2][7] > 0  # the abort ran a bit
+
+
+def test_idle_cost_accrues_while_the_server_is_idle_and_adds_up(tmp_path):
+    """An idle server's idle cost grows between two scrapes of /metrics (and on the
+    dashboard and /v1/spend) without waiting for the next step; requests plus idle still
+    make up the machine cost."""
+    def scraped_idle() -> float:
+        text = httpx.get(srv.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tierserve_idle_cost_usd_total{"))
+
+    srv = LiveServer(ServerSettings(ledger=str(tmp_path / "l.db"),
+                                    machine_price_per_hour=36.0), max_num_seqs=4)
+    try:
+        for _ in range(3):
+            httpx.post(srv.url + "/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": 4})
+        srv.wait_idle()
+        first = scraped_idle()
+        time.sleep(1.0)
+        second = scraped_idle()
+        assert second - first == pytest.approx(36.0 / 3600, rel=0.3)  # about 1 s of idle
+        board = httpx.get(srv.url + "/dashboard/data").json()["tiers"]
+        assert board["idle_cost_usd"] >= second and board["idle_share"] > 0
+        machine = httpx.get(srv.url + "/v1/spend").json()["machine"]
+        assert machine["idle_usd"] >= board["idle_cost_usd"]
+        assert machine["requests_usd"] > 0
+        assert machine["requests_usd"] + machine["idle_usd"] == pytest.approx(
+            machine["machine_usd"], rel=1e-9)
+    finally:
+        srv.stop()
 
 
 def test_a_tenant_over_budget_gets_429_insufficient_quota_and_others_do_not():

@@ -10,7 +10,7 @@ from tierserve.model.shapes import preset
 from tierserve.sampling_params import SamplingParams
 from tierserve.sim.loop import Simulator
 from tierserve.sim.report import summarize
-from tierserve.sim.step_time import load_hardware, roofline
+from tierserve.hardware.roofline import load_hardware, roofline
 from tierserve.sim.workload import SimRequest, make_workload
 
 MODEL = StepTimeModel(fixed_s=0.010, per_seq_s=0.0002, per_token_s=0.0001, per_kv_token_s=1e-6)
@@ -109,6 +109,6 @@ def test_a_cap_below_one_step_idles_until_the_guard_runs_out_as_the_engine_would
     request left, others wait out priority_guard_s (10 s) instead of stalling the run."""
     sim, result = simulate([SimRequest(0.0, "priority", 50, 5),
                             SimRequest(0.001, "default", 50, 5)], limit=0.005)
-    by_tier = {r.tier: r for r in result.requests}
+    by_tier = {r.tier.label: r for r in result.requests}
     assert by_tier["default"].finish_reason == "length"
     assert by_tier["default"].first_scheduled_time > by_tier["priority"].finished_time + 10

@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 from conftest import (FakeRunner, check_scheduler_invariants, make_requests, make_scheduler,
                       run_to_completion)
 from tierserve.core.block_manager import BlockManager
-from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.request import Request, RequestStatus
 from tierserve.core.scheduler import SchedulerOutput
 from tierserve.core.step_time import StepTimeModel
+from tierserve.tiers import Tier
 
 P, D, F, B = Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX, Tier.BATCH
 
@@ -261,9 +262,9 @@ def test_wasted_tokens_are_counted_per_tier():
     step(s)
     s.add_request(make_requests(1, start=5, tier=P, arrival_time=3.0)[0])
     run_to_completion(s)
-    assert s.preemptions_by_tier == {"flex": 1}
-    assert s.recomputed_tokens_by_tier["flex"] == 13  # 12 prompt + 1 output token again
-    assert s.recomputed_tokens_by_tier["priority"] == 0
+    assert s.preemptions_by_tier == {F: 1}
+    assert s.recomputed_tokens_by_tier[F] == 13  # 12 prompt + 1 output token again
+    assert s.recomputed_tokens_by_tier[P] == 0
 
 
 def test_higher_tier_cached_blocks_are_evicted_last():

@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 
 from conftest import make_scheduler, run_to_completion
 from test_server import MODEL, LiveServer
-from tierserve.core.request import Owner, Request, Tier
+from tierserve.core.request import Owner, Request
 from tierserve.core.stats import RequestStats
+from tierserve.errors import OverloadedError
 from tierserve.metering.prices import PriceList
 from tierserve.metering.recorder import Budget, Recorder
 from tierserve.server.limits import RateLimit, RateLimiter
 from tierserve.server.settings import ServerSettings, Tenant
+from tierserve.tiers import Tier
 
 SYSTEM = ("You are a support assistant for a company that sells bicycles, spare parts and "
           "repairs. Answer briefly, politely, and only about the company's products. ") * 3
@@ -86,13 +88,14 @@ def test_spend_never_passes_the_budget_by_more_than_one_worst_case(budget, ops):
     rec = Recorder("m", prices, None, {"t": Budget(budget, "total")})
     held, worst_max = [], 0.0
     for i, (prompt, max_tokens, fraction, settle_now) in enumerate(ops):
-        worst = prices.charge("default", prompt, 0, max_tokens)
+        worst = prices.charge(Tier.DEFAULT, prompt, 0, max_tokens)
         try:
             rec.reserve("t", [(f"r{i}", worst)])
-        except Exception:
+        except OverloadedError as exc:
+            assert exc.code == "insufficient_quota"
             continue
         worst_max = max(worst_max, worst)
-        rec.register(f"r{i}", "t", "default", None)
+        rec.register(f"r{i}", "t", Tier.DEFAULT, None)
         held.append(RequestStats(f"r{i}", 0.0, first_scheduled_time=0.0,
                                  num_prompt_tokens=prompt,
                                  num_output_tokens=int(fraction * max_tokens)))
@@ -123,17 +126,24 @@ def test_rate_limits_answer_429_with_openai_headers(server):
 @settings(max_examples=100, deadline=None)
 @given(rpm=st.integers(1, 100), sends=st.lists(st.floats(0, 5), max_size=80))
 def test_a_bucket_never_lets_more_through_than_its_allowance(rpm, sends):
-    """Over any window of t seconds at most rpm + rpm * t / 60 requests get through."""
+    """Over any window of t seconds at most rpm + rpm * t / 60 requests get through; a
+    request held back is a 429 rate_limit_exceeded with a retry time, and one sent when
+    the bucket holds a whole request's allowance gets through."""
     now = [0.0]
     limiter = RateLimiter({"t": RateLimit(requests_per_minute=rpm)}, clock=lambda: now[0])
-    passed = []
+    passed, level = [], float(rpm)  # the bucket starts full
     for gap in sends:
         now[0] += gap
+        level = min(rpm, level + rpm * gap / 60)
         try:
             limiter.take("t", 1, 0)
-            passed.append(now[0])
-        except Exception:
-            pass
+        except OverloadedError as exc:
+            assert exc.code == "rate_limit_exceeded" and exc.retry_after_s >= 1
+            assert level < 1 + 1e-9, "refused with a whole request in the bucket"
+            continue
+        assert level >= 1 - 1e-9, "let through with less than a request in the bucket"
+        level -= 1
+        passed.append(now[0])
     for i, start in enumerate(passed):
         for j in range(i, len(passed)):
             assert j - i + 1 <= rpm + rpm * (passed[j] - start) / 60 + 1e-9

@@ -6,8 +6,8 @@ scheduler and the simulator can import it.
 
 from dataclasses import dataclass, field
 
-from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError
+from tierserve.tiers import TIER_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUTO_DTYPE = "bfloat16"

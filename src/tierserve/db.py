@@ -285,6 +285,15 @@ def _psycopg_row(cursor):
 
 
 # ---------------------------------------------------------------- migrations
+class Migrations(list):
+    """An append-only list of schema steps; calling it on a function (as a decorator)
+    appends that function. Each database has its own (the batch store has another)."""
+
+    def __call__(self, fn):
+        self.append(fn)
+        return fn
+
+
 def migrate(db: Database, migrations: list) -> None:
     """Apply the steps of `migrations` not yet in `_migrations` (see the module's note)."""
     names = {fn.__name__ for fn in migrations}

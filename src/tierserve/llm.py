@@ -3,7 +3,7 @@
 from tierserve.config import (SLO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
                               TierConfig)
 from tierserve.engine.llm_engine import LLMEngine
-from tierserve.engine.outputs import RequestOutput
+from tierserve.core.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
 _MODEL_KEYS = set(ModelConfig.__dataclass_fields__)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 from tierserve.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from tierserve.worker.grammar import GrammarSpec
+    from tierserve.structured import GrammarSpec
 
 MAX_LOGPROBS = 20
 

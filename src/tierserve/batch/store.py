@@ -27,9 +27,8 @@ import time
 import uuid
 from pathlib import Path
 
-from tierserve.db import Database, Row
+from tierserve.db import Database, Migrations, Row, connect
 from tierserve.errors import NotFoundError
-from tierserve.metering.ledger import Migrations, connect
 
 MIGRATIONS = migration = Migrations()
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")

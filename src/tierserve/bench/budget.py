@@ -20,6 +20,7 @@ import tempfile
 
 from tierserve.bench.loopback import free_port, launch, log_tail, stop, wait_ready
 from tierserve.metering.prices import PriceList
+from tierserve.tiers import Tier
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +66,7 @@ def run(args) -> None:
     spent, rows, prompt_max = db.execute(
         "SELECT sum(charge), count(*), max(prompt_tokens) FROM requests "
         "WHERE tenant = 'tiny'").fetchone()
-    worst = PriceList().charge("default", prompt_max or 0, 0, args.max_tokens)
+    worst = PriceList().charge(Tier.DEFAULT, prompt_max or 0, 0, args.max_tokens)
     over = max(0.0, (spent or 0.0) - args.budget_usd)
     print(f"budget: machine={platform.machine()} cpus={os.cpu_count()} concurrency="
           f"{args.concurrency} budget_usd={args.budget_usd:g} max_tokens={args.max_tokens} | "

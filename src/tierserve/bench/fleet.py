@@ -102,7 +102,7 @@ def vllm() -> Proc:
 
 
 def tierserve(*args: str, threads: int = 2) -> Proc:
-    profile = REPO / "src/tierserve/sim/profiles/cpu/smollm2-135m.json"
+    profile = REPO / "src/tierserve/hardware/profiles/cpu/smollm2-135m.json"
     return Proc([sys.executable, "-m", "tierserve.cli", "serve", "--port", "{port}",
                  "--no-ledger", "--no-batches", "--step-time-profile", str(profile),
                  "--disable-uvicorn-access-log",  # as measured before the log existed

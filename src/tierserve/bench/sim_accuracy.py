@@ -12,8 +12,8 @@ total throughput; one line per rate with the absolute percentage errors.
 import argparse
 import statistics
 
-from tierserve.core.request import Tier
 from tierserve.core.stats import percentile as pct
+from tierserve.tiers import Tier
 
 TIERS = tuple(t.label for t in Tier if t != Tier.BATCH)
 
@@ -65,7 +65,7 @@ def run(args) -> None:
                         plan_model=model)
         result = sim.run([SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
                                      shared_prefix=len(SYSTEM_PROMPT)) for a in arrivals])
-        simulated = [{"tier": r.tier, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+        simulated = [{"tier": r.tier.label, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
                       "output_tokens": r.num_output_tokens} for r in result.requests]
         first = min(r.arrival_time for r in result.requests)
         fr = figures(real["requests"], real["wall_s"])

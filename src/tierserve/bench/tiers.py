@@ -31,7 +31,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-from tierserve.core.request import Tier
+from tierserve.tiers import Tier
 
 TIER_NAMES = tuple(t.label for t in Tier if t != Tier.BATCH)
 SLO_MULTIPLES = {
@@ -142,10 +142,10 @@ def run_open_loop(engine, arrivals: list[Arrival]) -> dict:
     return {
         "wall_s": wall,
         "span_s": arrivals[-1].t if arrivals else 0.0,
-        "requests": [{"tier": r.tier, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+        "requests": [{"tier": r.tier.label, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
                       "finish_reason": r.finish_reason, "output_tokens": r.num_output_tokens}
                      for r in collector.requests],
-        "wasted": {t: sched.recomputed_tokens_by_tier[t] - wasted0.get(t, 0)
+        "wasted": {t.label: sched.recomputed_tokens_by_tier[t] - wasted0.get(t, 0)
                    for t in sched.recomputed_tokens_by_tier},
         "preemptions": sched.num_preemptions - preempt0,
         "full_slot_steps": sum(1 for s in collector.steps if s.num_seqs >= max_seqs),

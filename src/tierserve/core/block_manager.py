@@ -33,8 +33,9 @@ Invariants (checked by `check_invariants`, exercised by property tests):
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tierserve.core.request import Request, Tier
+from tierserve.core.request import Request
 from tierserve.errors import ConfigError
+from tierserve.tiers import Tier
 
 BlockKey = tuple[object, tuple[int, ...]]
 """(parent: the previous block's hash, or the salt root for the first block; tokens)."""

@@ -1,25 +1,29 @@
 """EngineCore: one engine step without the model, shared by the engine and its twin.
 
 NOTE: who does what
-    The core owns the scheduler, the block manager and each request's `RequestStats`.
-    A step is: `plan(now)` (the scheduler's choice; flex requests past their wait are
-    finished as refused), then whoever runs the step (the model runner in `LLMEngine`, a
-    step-time model in the simulator) hands back a `RunnerOutput`, and `apply(...)` does
-    the bookkeeping: the scheduler's update, first-scheduled and token times, the step's
-    `StepStats` to metering and the sinks, and the measured/predicted step-time ratio.
-    Finished requests go through `finish()`: their stats are completed, metering prices
-    them (its `Bill` lands on the stats) and then every sink sees them. The engine and the
-    simulator differ only in what runs the step and how time passes, so the twin cannot
-    drift from the engine's bookkeeping.
+    The core owns the scheduler, the block manager and the request accounting
+    (core/accounting.py: each request's `RequestStats`, the metering, the sinks; the same
+    accounting fleet mode uses for remote replicas). A step is: `plan(now)` (the
+    scheduler's choice; flex requests past their wait are finished as refused), then
+    whoever runs the step (the model runner in `LLMEngine`, a step-time model in the
+    simulator) hands back a `RunnerOutput`, and `apply(...)` does the bookkeeping: the
+    scheduler's update, first-scheduled and token times, the step's `StepStats`, and the
+    measured/predicted step-time ratio. Finished requests go through `finish()`: the
+    accounting completes their stats, metering prices them (its `Bill` lands on the
+    stats) and then every sink sees them. The engine and the simulator differ only in
+    what runs the step and how time passes, so the twin cannot drift from the engine's
+    bookkeeping.
 """
 
 from tierserve.config import SchedulerConfig
+from tierserve.core.accounting import Accounting
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.policy import make_policy
-from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.request import Request, RequestStatus
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
-from tierserve.core.stats import (Metering, RequestStats, SeqStepStats, StatSink, StepStats)
+from tierserve.core.stats import RequestStats, SeqStepStats, StepStats
 from tierserve.core.step_time import StepTimeModel
+from tierserve.tiers import Tier
 
 
 class EngineCore:
@@ -35,30 +39,24 @@ class EngineCore:
                                    step_time_model=step_time_model,
                                    step_time_limit_s=step_time_limit_s)
         self.max_model_len = max_model_len
-        self.metering: Metering | None = None
-        self.sinks: list[StatSink] = []
-        self.stats: dict[str, RequestStats] = {}
-        """Unfinished requests' stats."""
+        self.accounting = Accounting()
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.dedicated_tier: Tier | None = None
-        """Set on an engine that serves one tier only (a dedicated fast lane): every
-        request it takes is served and billed in that tier, whatever its policy."""
+        self.tier_map: dict[Tier, Tier] = {t: self.policy.served_tier(t) for t in Tier}
+        """Tier asked for -> the tier it is served and billed in (fixed per policy)."""
+
+    def dedicate(self, tier: Tier) -> None:
+        """Serve one tier only (a dedicated fast lane): every request it takes is served
+        and billed in `tier`, whatever its policy. Set up before the first request."""
+        self.tier_map = {t: tier for t in Tier}
 
     # --------------------------------------------------------------- requests
-    def served_tier(self, tier: Tier) -> Tier:
-        """The tier a request asking for `tier` is served (and billed) in."""
-        return self.dedicated_tier if self.dedicated_tier is not None \
-            else self.policy.served_tier(tier)
-
     def add(self, request: Request, asked: Tier | None = None) -> RequestStats:
         """Queue a request whose tier is already the served one (`asked`: the tier it
         asked for, if another); its stats start here."""
-        stats = RequestStats(request.request_id, request.arrival_time,
-                             tier=(asked if asked is not None else request.tier).label,
-                             served_tier=request.tier.label,
-                             num_prompt_tokens=request.num_prompt_tokens)
-        self.stats[request.request_id] = stats
+        stats = self.accounting.start(request.request_id, request.arrival_time,
+                                      request.tier if asked is None else asked,
+                                      request.tier, request.num_prompt_tokens)
         self._requests[request.request_id] = request
         self.scheduler.add_request(request)
         return stats
@@ -70,20 +68,13 @@ class EngineCore:
 
     def finish(self, request: Request, now: float) -> RequestStats:
         """Account a finished request: complete its stats, price it, tell the sinks."""
-        stats = self.stats.pop(request.request_id)
         del self._requests[request.request_id]
-        stats.finished_time = now
-        stats.num_cached_tokens = max(request.num_cached_tokens, 0)
-        stats.num_output_tokens = request.num_output_tokens
-        stats.num_preemptions = request.num_preemptions
-        stats.num_recomputed_tokens = request.num_recomputed_tokens
-        stats.finish_reason = request.status.finish_reason
-        if self.metering is not None:
-            bill = self.metering.on_request_finished(stats)
-            stats.cost, stats.charge = bill.cost, bill.charge
-        for sink in self.sinks:
-            sink.on_request_finished(stats)
-        return stats
+        return self.accounting.finish(
+            request.request_id, now, request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_output_tokens=request.num_output_tokens,
+            num_preemptions=request.num_preemptions,
+            num_recomputed_tokens=request.num_recomputed_tokens)
 
     # ------------------------------------------------------------------- step
     def plan(self, now: float) -> tuple[SchedulerOutput, list[Request]]:
@@ -93,23 +84,24 @@ class EngineCore:
         refused = [self._requests[rid] for rid in out.refused_ids]
         return out, refused
 
+    def begin(self, start: float) -> None:
+        """A planned step starts running now (metering stops accruing idle time)."""
+        self.accounting.step_starting(start)
+
     def apply(self, out: SchedulerOutput, result: RunnerOutput, start: float, end: float,
               measured_s: float | None = None) -> list[Request]:
         """Book a step that ran from `start` to `end`: the requests it touched (a new
         token, or finished; finished ones still need `finish()`). `measured_s`: the
         whole step as a token's wait sees it (default end - start), fed to the cap."""
+        accounting = self.accounting
         for s in out.seqs:
-            stats = self.stats.get(s.request_id)
+            stats = accounting.stats.get(s.request_id)
             if stats is not None and stats.first_scheduled_time is None:
-                stats.first_scheduled_time = start
+                accounting.scheduled(stats, start)
         touched = self.scheduler.update(out, result)
         for request in touched:
-            stats = self.stats[request.request_id]
-            new = request.num_output_tokens - len(stats.token_times)
-            if new > 0:
-                if stats.first_token_time is None:
-                    stats.first_token_time = end
-                stats.token_times += [end] * new
+            stats = accounting.stats[request.request_id]
+            accounting.tokens(stats, request.num_output_tokens - len(stats.token_times), end)
         self._record_step(out, start, end)
         self.scheduler.observe_step_time(out, end - start if measured_s is None else measured_s)
         return touched
@@ -123,7 +115,4 @@ class EngineCore:
             seqs=[SeqStepStats(s.request_id, len(s.token_ids), s.start_pos + len(s.token_ids),
                                s.is_decode) for s in out.seqs])
         self.num_steps += 1
-        if self.metering is not None:
-            self.metering.on_step(stats)
-        for sink in self.sinks:
-            sink.on_step(stats)
+        self.accounting.step(stats)

@@ -20,7 +20,8 @@ Three policies, from plain to tier-aware:
 
 from typing import Protocol
 
-from tierserve.core.request import Request, Tier
+from tierserve.core.request import Request
+from tierserve.tiers import Tier
 
 
 class SchedulingPolicy(Protocol):

@@ -3,34 +3,7 @@
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-
-class Tier(IntEnum):
-    """Service tiers, best first: a smaller value is served earlier and preempted later."""
-
-    PRIORITY = 0
-    DEFAULT = 1
-    FLEX = 2
-    BATCH = 3
-
-    @classmethod
-    def parse(cls, name: "str | Tier") -> "Tier":
-        if isinstance(name, Tier):
-            return name
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            raise ValueError(f"unknown tier {name!r}; expected one of "
-                             f"{', '.join(t.label for t in cls)}") from None
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
-
-
-TIER_NAMES = tuple(t.label for t in Tier)
-"""Every tier's name, best first: the one list of tier names (config, CLI, reports)."""
-REQUEST_TIERS = ("auto",) + tuple(t.label for t in Tier if t != Tier.BATCH)
-"""What `service_tier` may say on the wire (batch comes only from /v1/batches)."""
+from tierserve.tiers import Tier
 
 
 class RequestStatus(IntEnum):

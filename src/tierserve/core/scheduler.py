@@ -61,8 +61,9 @@ from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.fair import FairShare
 from tierserve.core.policy import SchedulingPolicy, make_policy
-from tierserve.core.request import Request, RequestStatus, Tier
+from tierserve.core.request import Request, RequestStatus
 from tierserve.core.step_time import EPS_S, StepTimeModel
+from tierserve.tiers import Tier
 
 DECODE_CAP_FLOOR = 2
 """The decode cap never cuts a step below this many times the predicted time of its
@@ -172,8 +173,8 @@ class Scheduler:
         self._default_queue: deque[Request] = deque()  # arrival order, for aging
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
-        self.recomputed_tokens_by_tier: Counter[str] = Counter()
-        self.preemptions_by_tier: Counter[str] = Counter()
+        self.recomputed_tokens_by_tier: Counter[Tier] = Counter()
+        self.preemptions_by_tier: Counter[Tier] = Counter()
         self._num_priority = 0  # priority-tier requests in the engine
         self._priority_seen_at = float("-inf")
         self._last_step_for_priority = False
@@ -431,7 +432,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.preemptions_by_tier[request.tier.label] += 1
+        self.preemptions_by_tier[request.tier] += 1
         self._push_waiting(request)
         step.preempted.append(request)
 
@@ -513,7 +514,7 @@ class Scheduler:
             request.num_recomputed_tokens += recomputed
             self.num_recomputed_tokens += recomputed
             if recomputed:
-                self.recomputed_tokens_by_tier[request.tier.label] += recomputed
+                self.recomputed_tokens_by_tier[request.tier] += recomputed
             request.num_computed_tokens += n
             request.num_ever_computed = max(request.num_ever_computed, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)

@@ -1,11 +1,14 @@
-"""Stats are data: the engine core emits these dataclasses; sinks (Prometheus, logs,
-benchmarks) consume them through the `StatSink` protocol. One `Metering` consumer comes
-before every sink and returns each finished request's `Bill`: the core puts it on the
-request's stats, so every later sink sees the cost. Plain Python: the simulator uses it.
+"""Stats are data: the request accounting (core/accounting.py) emits these dataclasses;
+sinks (Prometheus, logs, benchmarks) consume them through the `StatSink` protocol. One
+`Metering` consumer comes before every sink and returns each finished request's `Bill`:
+the accounting puts it on the request's stats, so every later sink sees the cost. Plain
+Python: the simulator uses it.
 """
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from tierserve.tiers import Tier
 
 
 @dataclass
@@ -79,9 +82,9 @@ class RequestStats:
 
     request_id: str
     arrival_time: float
-    tier: str = "default"
+    tier: Tier = Tier.DEFAULT
     """The tier the request asked for (what per-tier latency reports group by)."""
-    served_tier: str | None = None
+    served_tier: Tier | None = None
     """The tier it was served and billed in (None: the one it asked for)."""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -104,8 +107,8 @@ class RequestStats:
     """The served model's name where a server serves several (None: its only one)."""
 
     @property
-    def billed_tier(self) -> str:
-        return self.served_tier or self.tier
+    def billed_tier(self) -> Tier:
+        return self.tier if self.served_tier is None else self.served_tier
 
     @property
     def queue_s(self) -> float | None:
@@ -167,13 +170,34 @@ class StatSink(Protocol):
     def on_request_finished(self, stats: RequestStats) -> None: ...
 
 
-class Metering(Protocol):
-    """The one consumer that prices steps and requests; the core calls it before any
-    sink, so the meter-then-ledger order lives in one place."""
+class Metering:
+    """The one consumer that prices requests, called before any sink (core/accounting.py),
+    so the meter-then-ledger order lives in one place. A meter of engine steps
+    (metering/cost.py) uses `on_step`; a meter of a replica it cannot see inside
+    (metering/estimate.py) uses the request events instead, from the token timings a
+    gateway sees. Each ignores the events it has no use for."""
 
-    def on_step(self, stats: StepStats) -> None: ...
+    def on_step_starting(self, start: float) -> None:
+        """An engine step starts (the time before it was idle; idle accrual stops)."""
 
-    def on_request_finished(self, stats: RequestStats) -> Bill: ...
+    def on_step(self, stats: StepStats) -> None:
+        """An engine step ran (its sequences, start and duration)."""
+
+    def on_scheduled(self, stats: RequestStats, now: float) -> None:
+        """The request started on `stats.engine` (a replica: each attempt)."""
+
+    def on_tokens(self, stats: RequestStats, n: int, now: float) -> None:
+        """`n` output tokens of the request became available."""
+
+    def on_left(self, stats: RequestStats, now: float) -> None:
+        """The request left `stats.engine` (finished there, or failed and will retry)."""
+
+    def on_reported_cost(self, stats: RequestStats, cost: RequestCost) -> None:
+        """The unit that ran the request reported its exact machine cost."""
+
+    def on_request_finished(self, stats: RequestStats) -> Bill:
+        """The finished request's bill (its machine cost, and the charge if priced)."""
+        raise NotImplementedError
 
 
 class StatsCollector:

@@ -1,1 +1,1 @@
-"""LLMEngine (the step loop), AsyncEngine (asyncio streams), outputs and stats."""
+"""LLMEngine (the step loop), AsyncEngine (asyncio streams), calibration, detokenizer."""

@@ -14,10 +14,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 
-from tierserve.core.request import Owner, Tier
+from tierserve.core.outputs import RequestOutput, read_outputs
+from tierserve.core.request import Owner
 from tierserve.engine.llm_engine import LLMEngine
-from tierserve.engine.outputs import RequestOutput, read_outputs
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 
 class AsyncEngine:
@@ -42,8 +43,9 @@ class AsyncEngine:
     def engines(self) -> tuple["AsyncEngine", ...]:
         return (self,)
 
-    def served_tier(self, tier: Tier) -> Tier:
-        return self.engine.served_tier(tier)
+    @property
+    def tier_map(self) -> dict[Tier, Tier]:
+        return self.engine.tier_map
 
     def start(self) -> None:
         if self._loop_task is None:

@@ -63,8 +63,9 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
     rng = random.Random(seed)
     collector = StatsCollector()
     core = engine.core
-    sinks, metering = core.sinks, core.metering  # calibration runs are nobody's cost
-    core.sinks, core.metering = [collector], None
+    acc = core.accounting
+    sinks, metering = acc.sinks, acc.metering  # calibration runs are nobody's cost
+    acc.sinks, acc.metering = [collector], None
     counters = (engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens)
     vocab = engine.shape.vocab_size
     params = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -78,7 +79,7 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
                 _run_batch(engine, num, prompt_len, max_tokens, rng, vocab, params,
                            collector, samples, whole_step)
     finally:
-        core.sinks, core.metering = sinks, metering
+        acc.sinks, acc.metering = sinks, metering
         engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens = counters
         engine.block_manager.reset_prefix_cache()
     return StepTimeModel.fit(samples, relative=True)  # see the note on the fit

@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 from tierserve.config import EngineConfig
 from tierserve.core.clock import Clock
 from tierserve.core.engine_core import EngineCore
-from tierserve.core.request import NO_OWNER, Owner, Request, RequestStatus, Tier
+from tierserve.core.outputs import CompletionOutput, RequestOutput
+from tierserve.core.request import NO_OWNER, Owner, Request, RequestStatus
 from tierserve.core.stats import Metering, RequestStats, StatSink
 from tierserve.core.step_time import StepTimeModel
 from tierserve.engine.detokenizer import IncrementalDetokenizer
-from tierserve.engine.outputs import CompletionOutput, RequestOutput
 from tierserve.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -77,7 +78,7 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         self.core = EngineCore(config.scheduler, num_blocks, cc.block_size, self.max_model_len,
                                cc.enable_prefix_caching)
-        self.core.sinks.extend(stat_sinks or [])
+        self.core.accounting.sinks.extend(stat_sinks or [])
         self.scheduler, self.block_manager = self.core.scheduler, self.core.block_manager
         self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed)
         say(f"KV cache: {num_blocks} blocks of {cc.block_size} tokens; "
@@ -106,15 +107,15 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- sinks
     def add_sink(self, sink: StatSink) -> None:
-        self.core.sinks.append(sink)
+        self.core.accounting.sinks.append(sink)
 
     def remove_sink(self, sink: StatSink) -> None:
-        if sink in self.core.sinks:
-            self.core.sinks.remove(sink)
+        if sink in self.core.accounting.sinks:
+            self.core.accounting.sinks.remove(sink)
 
     def set_metering(self, metering: Metering | None) -> None:
         """The one consumer that prices steps and requests, before every sink."""
-        self.core.metering = metering
+        self.core.accounting.metering = metering
 
     # ------------------------------------------------------------- requests
     def add_request(self, request_id: str | None, prompt: str | list[int],
@@ -131,7 +132,7 @@ class LLMEngine:
             asked = Tier.parse(tier)
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="service_tier") from None
-        tier_value = self.served_tier(asked)
+        tier_value = self.core.tier_map[asked]
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -204,9 +205,10 @@ class LLMEngine:
             return None
         return self._output(self._tracked[request_id], self.clock.now())
 
-    def served_tier(self, tier: Tier) -> Tier:
-        """The tier a request asking for `tier` is served in (the policy's word)."""
-        return self.core.served_tier(tier)
+    @property
+    def tier_map(self) -> dict[Tier, Tier]:
+        """Tier asked for -> the tier it is served in (the policy's word, fixed)."""
+        return self.core.tier_map
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -223,6 +225,7 @@ class LLMEngine:
         if scheduled.is_empty:
             return outputs
         start = self.clock.now()
+        self.core.begin(start)
         result = self.runner.execute(scheduled)
         end = self.clock.now()
         touched = self.core.apply(scheduled, result, start, end,

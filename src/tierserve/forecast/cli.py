@@ -27,7 +27,7 @@ from tierserve.db import is_postgres, redact
 from tierserve.errors import ConfigError
 from tierserve.forecast.history import HOUR_S, SERIES, History, from_ledger
 from tierserve.forecast.model import choose
-from tierserve.sim.report import table
+from tierserve.tables import table
 
 VERSION = 1
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierserve.core.request import TIER_NAMES
 from tierserve.db import is_postgres
 from tierserve.errors import ConfigError
+from tierserve.tiers import TIER_NAMES
 
 HOUR_S = 3600
 SERIES = ("requests", "prompt_tokens", "output_tokens")

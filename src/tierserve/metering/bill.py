@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from tierserve.core.stats import percentile as pct
 from tierserve.errors import ConfigError, TierserveError
 from tierserve.metering.ledger import connect
+from tierserve.tables import table
 
 SIZES = ((64, "<64 out"), (256, "64-255 out"), (None, ">=256 out"))
 GROUPINGS = ("tenant", "tier", "model", "size", "route")
@@ -178,11 +179,7 @@ def render(summary: dict, fmt: str) -> str:
              f"priority ${t['reserved_idle_cost']:.6f}",
              f"charged ${t['charge']:.6f}; margin ${t['margin']:.6f}; {t['requests']} requests,"
              f" {t['output_tokens']} output tokens", ""]
-    cells = [[fmt_value(g[c]) for c in cols] for g in summary["groups"]]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c)
-              for i, c in enumerate(cols)]
-    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    lines += table(cols, [[fmt_value(g[c]) for c in cols] for g in summary["groups"]])
     if summary["findings"]:
         lines += ["", "findings:"] + [f"- {f}" for f in summary["findings"]]
     return "\n".join(lines)

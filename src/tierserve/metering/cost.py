@@ -18,15 +18,21 @@ NOTE: the work model
 
     Time between steps is idle: the machine is paid for and nothing runs. It is charged to
     `idle`, except the share held for the fast lane (reserved priority slots, or a whole
-    dedicated priority engine), which is charged to `priority-reserved`.
+    dedicated priority engine), which is charged to `priority-reserved`. Idle time is
+    booked as it passes, not only when the next step starts: a step's start books the
+    idle time before it, and `close_window(now)` (every scrape, dashboard poll and
+    ledger flush) books it up to now unless a step is running, whose time is the step's.
+    The engine's thread books steps while the event loop reads totals, so both hold a
+    lock.
 
     Invariant (tested): sum of request costs + idle costs == machine cost of the window.
 """
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from tierserve.core.stats import Bill, RequestCost
+from tierserve.core.stats import Bill, Metering, RequestCost
 from tierserve.core.step_time import StepTimeModel
 
 EQUAL_WORK = StepTimeModel(fixed_s=0.0, per_seq_s=0.0, per_token_s=1.0)
@@ -44,7 +50,7 @@ class IdleInterval:
 
 
 @dataclass
-class CostMeter:
+class CostMeter(Metering):
     """A stat sink: attributes each step's cost (`on_step`) and hands each request its
     total when it finishes (`on_request_finished`). Idle time between steps accumulates
     into intervals."""
@@ -61,8 +67,11 @@ class CostMeter:
     idle_cost: float = 0.0
     reserved_idle_cost: float = 0.0
     _last_end: float | None = None
+    _busy: bool = False
+    """A step is running (started, not yet booked)."""
     _idle: IdleInterval | None = None
     closed_idle: list[IdleInterval] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def price_per_second(self) -> float:
@@ -75,12 +84,21 @@ class CostMeter:
                          [(s.request_id, s.num_tokens, s.context_len, s.is_decode)
                           for s in stats.seqs])
 
+    def on_step_starting(self, start: float) -> None:
+        """A step starts now: the idle time before it is booked, and none after it until
+        the step is (record_step)."""
+        with self._lock:
+            self._add_idle(start)
+            self._busy = True
+
     def record_step(self, start: float, duration_s: float,
                     seqs: list[tuple[str, int, int, bool]]) -> None:
         """A step from `start`: idle time since the last one, then the step's split."""
-        self._add_idle(start)
-        self.attribute(duration_s, seqs)
-        self._last_end = start + duration_s
+        with self._lock:
+            self._add_idle(start)
+            self.attribute(duration_s, seqs)
+            self._last_end = start + duration_s
+            self._busy = False
 
     def attribute(self, duration_s: float, seqs: list[tuple[str, int, int, bool]]) -> None:
         """Split one step among its (request_id, num_tokens, context_len, is_decode)."""
@@ -116,15 +134,18 @@ class CostMeter:
 
     # ----------------------------------------------------------------- idle
     def close_window(self, now: float) -> None:
-        """Account idle time up to `now` (before reading totals or at shutdown)."""
-        self._add_idle(now)
-        self._last_end = now
+        """Account idle time up to `now` (before reading totals or at shutdown), unless a
+        step is running: its time is the step's, booked when it ends."""
+        with self._lock:
+            if not self._busy:
+                self._add_idle(now)
 
     def _add_idle(self, start: float) -> None:
+        """Book the time from the last booked instant to `start` as idle."""
         if self._last_end is None:
             self._last_end = start
             return
-        gap = max(0.0, start - self._last_end)
+        gap = start - self._last_end
         if gap <= 0:
             return
         cost = gap * self.price_per_second
@@ -139,6 +160,7 @@ class CostMeter:
         if self._idle.end - self._idle.start >= self.idle_interval_s:
             self.closed_idle.append(self._idle)
             self._idle = None
+        self._last_end = start
 
     def _charge_idle(self, cost: float, reserved: float) -> None:
         self.idle_cost += cost - reserved
@@ -146,8 +168,9 @@ class CostMeter:
 
     def take_idle(self, flush: bool = False) -> list[IdleInterval]:
         """Closed idle intervals (and with `flush` the open one), forgotten here."""
-        if flush and self._idle is not None:
-            self.closed_idle.append(self._idle)
-            self._idle = None
-        out, self.closed_idle = self.closed_idle, []
+        with self._lock:
+            if flush and self._idle is not None:
+                self.closed_idle.append(self._idle)
+                self._idle = None
+            out, self.closed_idle = self.closed_idle, []
         return out

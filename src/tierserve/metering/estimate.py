@@ -20,11 +20,19 @@ NOTE: the split
     An interval in which nothing ran is idle. Each interval's cost is fully attributed:
     per replica, requests + idle == machine cost (property-tested), and the estimate is
     checked against a tierserve replica's exact meter (bench fleet metering).
+
+NOTE: how it is fed
+    `FleetMetering` is fleet mode's metering in the one request accounting
+    (core/accounting.py), where an engine has `EngineMetering`: the accounting's request
+    events (scheduled on a replica, tokens, left it) drive that replica's meter, and a
+    request's cost is the sum over its attempts; when it finishes, the recorder charges
+    and records it exactly as an engine's.
 """
 
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from tierserve.core.stats import RequestCost
+from tierserve.core.stats import Bill, Metering, RequestCost
 from tierserve.core.step_time import StepTimeModel
 from tierserve.metering.cost import CostMeter
 
@@ -153,3 +161,47 @@ class ReplicaMeter(CostMeter):
                 rc.decode_cost += share
             rc.num_steps += 1
             rc.batch_size_sum += len(work)
+
+
+class FleetMetering(Metering):
+    """The replicas' meters behind one accounting: a request's events go to the meter of
+    the replica it runs on (`stats.engine`), its cost is summed over attempts, and the
+    recorder charges it once."""
+
+    def __init__(self, recorder, meters: dict[str, ReplicaMeter]):
+        """`recorder`: metering.recorder.Recorder (it also accrues the meters' idle time)."""
+        self.recorder, self.meters = recorder, meters
+        for meter in meters.values():
+            recorder.add_meter(meter)
+        self._costs: defaultdict[str, RequestCost] = defaultdict(RequestCost)
+        self._reported: dict[str, RequestCost] = {}
+        self.cost_checks: deque[tuple[RequestCost, RequestCost]] = deque(maxlen=10_000)
+        """(estimated, reported) machine cost of recent requests whose replica reported its
+        exact cost (kind tierserve): how good the estimate is."""
+
+    def on_scheduled(self, stats, now: float) -> None:
+        self.meters[stats.engine].start(stats.request_id, now, stats.num_prompt_tokens)
+
+    def on_tokens(self, stats, n: int, now: float) -> None:
+        self.meters[stats.engine].tokens(stats.request_id, now, n)
+
+    def on_left(self, stats, now: float) -> None:
+        part = self.meters[stats.engine].finish(stats.request_id, now)
+        cost = self._costs[stats.request_id]
+        cost.prefill_cost += part.prefill_cost
+        cost.decode_cost += part.decode_cost
+        cost.num_steps += part.num_steps
+        cost.batch_size_sum += part.batch_size_sum
+        self.recorder.flush_idle()  # replicas' idle time to the ledger as it closes
+
+    def on_reported_cost(self, stats, cost: RequestCost) -> None:
+        seen = self._reported.setdefault(stats.request_id, RequestCost())
+        seen.prefill_cost += cost.prefill_cost
+        seen.decode_cost += cost.decode_cost
+
+    def on_request_finished(self, stats) -> Bill:
+        cost = self._costs.pop(stats.request_id, None) or RequestCost()
+        reported = self._reported.pop(stats.request_id, None)
+        if reported is not None:
+            self.cost_checks.append((cost, reported))
+        return Bill(cost, self.recorder.finished(stats, cost))

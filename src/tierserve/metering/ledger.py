@@ -41,18 +41,9 @@ from operator import itemgetter
 from pathlib import Path
 
 from tierserve import db as database
-from tierserve.db import Database, is_postgres, open_database
+from tierserve.db import Database, Migrations, is_postgres, open_database
 
 log = logging.getLogger("tierserve.ledger")
-
-
-class Migrations(list):
-    """An append-only list of schema steps; calling it on a function (as a decorator)
-    appends that function. Each database has its own (the batch store has another)."""
-
-    def __call__(self, fn):
-        self.append(fn)
-        return fn
 
 
 MIGRATIONS = migration = Migrations()

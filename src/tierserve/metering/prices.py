@@ -9,6 +9,7 @@ config), not quotes.
 from dataclasses import dataclass, field
 
 from tierserve.errors import ConfigError
+from tierserve.tiers import Tier
 
 MACHINE_PRICE_PER_HOUR = {
     "cpu-local": 0.10,
@@ -19,7 +20,7 @@ MACHINE_PRICE_PER_HOUR = {
     "h200": 8.00,
 }
 
-TIER_MULTIPLIERS = {"priority": 2.0, "default": 1.0, "flex": 0.5, "batch": 0.5}
+TIER_MULTIPLIERS = {Tier.PRIORITY: 2.0, Tier.DEFAULT: 1.0, Tier.FLEX: 0.5, Tier.BATCH: 0.5}
 
 
 @dataclass
@@ -29,9 +30,9 @@ class PriceList:
     input_per_m: float = 0.10
     cached_input_per_m: float = 0.05
     output_per_m: float = 0.40
-    tier_multipliers: dict[str, float] = field(default_factory=lambda: dict(TIER_MULTIPLIERS))
+    tier_multipliers: dict[Tier, float] = field(default_factory=lambda: dict(TIER_MULTIPLIERS))
 
-    def charge(self, tier: str, prompt_tokens: int, cached_tokens: int,
+    def charge(self, tier: Tier, prompt_tokens: int, cached_tokens: int,
                output_tokens: int) -> float:
         """What a request served in `tier` is charged (an aborted one: for what ran)."""
         base = ((prompt_tokens - cached_tokens) * self.input_per_m
@@ -43,7 +44,7 @@ class PriceList:
         for name in ("input_per_m", "cached_input_per_m", "output_per_m"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"prices: {name} must be >= 0")
-        bad = {t: m for t, m in self.tier_multipliers.items() if m < 0}
+        bad = {t.label: m for t, m in self.tier_multipliers.items() if m < 0}
         if bad:
             raise ConfigError(f"prices: tier multipliers must be >= 0, got {bad}")
 

@@ -2,10 +2,13 @@
 tenant budgets, behind one object the server holds.
 
 A request is registered when the server adds it (tenant, tier asked for, tags). Each
-engine gets one `EngineMetering` (its cost meter, then this recorder) as the engine
-core's metering, which the core calls before any sink: when a request finishes, the meter
-gives its machine cost, the recorder its charge, the ledger row and the tenant's spend,
-and the resulting `Bill` is on the request's stats before a sink (the server) sees it.
+engine gets one `EngineMetering` (its cost meter, then this recorder), and a fleet of
+replicas one `FleetMetering` (metering/estimate.py: a meter per replica, then this
+recorder), as its request accounting's metering (core/accounting.py), called before any
+sink: when a request finishes, the meter gives its machine cost, the recorder its charge,
+the ledger row and the tenant's spend, and the resulting `Bill` is on the request's stats
+before a sink (the server) sees it. Idle time accrues as it passes: `accrue()` (each
+scrape, dashboard poll and step) books every meter's idle time up to now.
 
 NOTE: budgets hold under concurrency
     A request of a tenant with a budget reserves its worst-case charge when it is admitted
@@ -23,11 +26,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from tierserve.core.stats import Bill, RequestCost
+from tierserve.core.stats import Bill, Metering, RequestCost
 from tierserve.errors import ConfigError, OverloadedError
 from tierserve.metering.cost import CostMeter, IdleInterval
 from tierserve.metering.ledger import Ledger, RequestRow
 from tierserve.metering.prices import PriceList
+from tierserve.tiers import Tier
 
 PERIODS = ("day", "month", "total")
 
@@ -55,18 +59,21 @@ class Budget:
 @dataclass
 class _Pending:
     tenant: str
-    tier_requested: str
+    tier_requested: Tier
     tags: dict
     model: str | None = None
     """The served model (where a server serves several); None: the recorder's."""
 
 
-class EngineMetering:
-    """One engine's metering (core.stats.Metering): its cost meter prices the steps and
-    each finished request's machine cost, then the recorder charges and records it."""
+class EngineMetering(Metering):
+    """One engine's metering: its cost meter prices the steps and each finished request's
+    machine cost, then the recorder charges and records it."""
 
     def __init__(self, meter: CostMeter, recorder: "Recorder"):
         self.meter, self.recorder = meter, recorder
+
+    def on_step_starting(self, start: float) -> None:
+        self.meter.on_step_starting(start)
 
     def on_step(self, stats) -> None:
         self.meter.on_step(stats)
@@ -79,12 +86,12 @@ class EngineMetering:
 
 class Recorder:
     def __init__(self, model: str, prices: PriceList, ledger: Ledger | None,
-                 budgets: dict[str, Budget] | None = None, on_idle=None):
-        """`on_idle(interval)`: told of each idle interval (Prometheus counters)."""
+                 budgets: dict[str, Budget] | None = None):
         self.model, self.prices, self.ledger = model, prices, ledger
         self.budgets = dict(budgets or {})
-        self.on_idle = on_idle
         self.meters: list[CostMeter] = []
+        self._meter_models: dict[int, str] = {}
+        """id(meter) -> the served model its idle time is labelled with."""
         self._engines: list = []
         self._pending: dict[str, _Pending] = {}
         self._unix_offset = time.time() - time.monotonic()
@@ -93,24 +100,31 @@ class Recorder:
         self._holds: dict[str, tuple[str, float]] = {}  # request id -> (tenant, USD held)
         self._reserved: dict[str, float] = {}  # tenant -> USD held by its requests
         self._charged: dict[str, float] = {}  # tenant -> USD charged by this process
+        self.request_cost_usd = 0.0
+        """Machine cost of the requests finished by this process (USD)."""
         self._hold_lock = threading.Lock()  # reserve (event loop) vs settle (engine thread)
         self.shared_refresh_s = 0.5
         """How stale another gateway's spend may be (a shared PostgreSQL ledger)."""
-        self.idle_cost_usd = 0.0
 
-    def attach(self, engine, price_per_hour: float, reserved_fraction: float) -> CostMeter:
+    def attach(self, engine, price_per_hour: float, reserved_fraction: float,
+               model: str | None = None) -> CostMeter:
         """Meter `engine` (its `set_metering`): stats carry their cost and charge before
-        any sink sees them."""
-        model = engine.scheduler.step_time_model
+        any sink sees them. `model`: the served model (where a server serves several)."""
+        work = engine.scheduler.step_time_model
         meter = CostMeter(price_per_hour, reserved_fraction=reserved_fraction,
-                          **({"work_model": model} if model is not None else {}))
+                          **({"work_model": work} if work is not None else {}))
         engine.set_metering(EngineMetering(meter, self))
-        self.meters.append(meter)
+        self.add_meter(meter, model)
         self._engines.append(engine)
         return meter
 
+    def add_meter(self, meter: CostMeter, model: str | None = None) -> None:
+        """A meter whose idle time this recorder accrues, records and counts."""
+        self.meters.append(meter)
+        self._meter_models[id(meter)] = model or self.model
+
     # -------------------------------------------------------------- requests
-    def register(self, request_id: str, tenant: str, tier_requested: str,
+    def register(self, request_id: str, tenant: str, tier_requested: Tier,
                  tags: dict | None, model: str | None = None) -> None:
         self._pending[request_id] = _Pending(tenant, tier_requested, dict(tags or {}), model)
 
@@ -188,6 +202,7 @@ class Recorder:
                                     stats.num_cached_tokens,
                                     stats.num_output_tokens) if ran else 0.0
         with self._hold_lock:  # the charge replaces the hold in one move
+            self.request_cost_usd += cost.machine_cost if cost is not None else 0.0
             self._charged[pending.tenant] = self._charged.get(pending.tenant, 0.0) + charge
             if pending.tenant in self.budgets:
                 start, total = self._spend.get(pending.tenant) or (None, None)
@@ -204,8 +219,9 @@ class Recorder:
         finished = stats.finished_time if stats.finished_time is not None else time.monotonic()
         self.ledger.record(RequestRow(
             time=finished + self._unix_offset, request_id=stats.request_id,
-            tenant=pending.tenant, model=pending.model or self.model, tier_requested=pending.tier_requested,
-            tier_served=stats.billed_tier, prompt_tokens=stats.num_prompt_tokens,
+            tenant=pending.tenant, model=pending.model or self.model,
+            tier_requested=pending.tier_requested.label,
+            tier_served=stats.billed_tier.label, prompt_tokens=stats.num_prompt_tokens,
             cached_tokens=stats.num_cached_tokens, output_tokens=stats.num_output_tokens,
             queue_s=stats.queue_s, prefill_s=stats.prefill_s, decode_s=stats.decode_s,
             prefill_cost=cost.prefill_cost, decode_cost=cost.decode_cost, charge=charge,
@@ -237,19 +253,43 @@ class Recorder:
             self._release(request_id)
 
     # ------------------------------------------------------------------ idle
+    def accrue(self) -> None:
+        """Book every meter's idle time up to now (a meter whose step is running keeps
+        it), and write the idle intervals that closed."""
+        now = time.monotonic()
+        for meter in self.meters:
+            meter.close_window(now)
+        self.flush_idle()
+
+    def machine_totals(self) -> dict:
+        """This process's machine cost so far, idle booked up to now: requests finished +
+        idle (+ what requests still running used) = machine."""
+        self.accrue()
+        return {"machine_usd": sum(m.machine_cost for m in self.meters),
+                "requests_usd": self.request_cost_usd,
+                "idle_usd": sum(m.idle_cost for m in self.meters),
+                "idle_reserved_usd": sum(m.reserved_idle_cost for m in self.meters)}
+
+    def idle_totals(self) -> dict[str, tuple[float, float]]:
+        """Served model -> (unreserved, reserved) idle cost so far, open intervals too."""
+        out: dict[str, tuple[float, float]] = {}
+        for meter in self.meters:
+            model = self._meter_models.get(id(meter), self.model)
+            idle, held = out.get(model, (0.0, 0.0))
+            out[model] = (idle + meter.idle_cost, held + meter.reserved_idle_cost)
+        return out
+
     def flush_idle(self, final: bool = False) -> list[IdleInterval]:
         out = []
         for meter in self.meters:
             if final:
                 meter.close_window(time.monotonic())
+            model = self._meter_models.get(id(meter), self.model)
             for interval in meter.take_idle(flush=final):
                 out.append(interval)
-                self.idle_cost_usd += interval.cost + interval.reserved_cost
-                if self.on_idle is not None:
-                    self.on_idle(interval)
                 if self.ledger is not None:
                     self.ledger.record_idle(interval.start + self._unix_offset,
-                                            interval.end + self._unix_offset, self.model,
+                                            interval.end + self._unix_offset, model,
                                             interval.cost, interval.reserved_cost)
         return out
 

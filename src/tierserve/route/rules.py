@@ -32,8 +32,8 @@ Only whole answers escalate: a stream's tokens are already with the client.
 import re
 from dataclasses import dataclass, field
 
-from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError
+from tierserve.tiers import TIER_NAMES, Tier
 
 CONDITIONS = {"tiers", "tenants", "turns_min", "turns_max", "prompt_tokens_min",
               "prompt_tokens_max", "max_tokens_min", "max_tokens_max", "tools", "regex",
@@ -44,7 +44,8 @@ CONDITIONS = {"tiers", "tenants", "turns_min", "turns_max", "prompt_tokens_min",
 class Features:
     """What rules look at, computed once per request at the edge."""
 
-    tier: str = "default"
+    tier: Tier = Tier.DEFAULT
+    """The tier asked for."""
     tenant: str = "anonymous"
     turns: int = 1
     prompt_tokens: int = 0
@@ -58,7 +59,7 @@ class Features:
 @dataclass
 class Escalation:
     model: str
-    tier: str | None = None
+    tier: Tier | None = None
     on_empty: bool = True
     on_length: bool = True
     min_mean_logprob: float | None = None
@@ -80,7 +81,7 @@ class Escalation:
 class Rule:
     name: str
     model: str
-    tier: str | None = None
+    tier: Tier | None = None
     when: dict = field(default_factory=dict)
     regex: re.Pattern | None = None
     escalate: Escalation | None = None
@@ -173,9 +174,7 @@ def _rule(alias: str, i: int, spec, models: set[str]) -> Rule:
     if model not in models:
         raise ConfigError(f"{where}: model {model!r} is not served here (models: "
                           f"{', '.join(sorted(models))})")
-    tier = spec.get("tier")
-    if tier is not None and tier not in TIER_NAMES:
-        raise ConfigError(f"{where}: tier must be one of {', '.join(TIER_NAMES)}, got {tier!r}")
+    tier = _tier(where, spec.get("tier"))
     when = dict(spec.get("when") or {})
     bad = set(when) - CONDITIONS
     if bad:
@@ -186,6 +185,8 @@ def _rule(alias: str, i: int, spec, models: set[str]) -> Rule:
             if isinstance(when[key], str):
                 when[key] = [when[key]]
             when[key] = [str(x) for x in when[key]]
+    if "tiers" in when:
+        when["tiers"] = frozenset(_tier(f"{where}.when", t) for t in when["tiers"])
     for key in CONDITIONS - {"tiers", "tenants", "tools", "regex"}:
         if key in when and not isinstance(when[key], (int, float)):
             raise ConfigError(f"{where}: {key} must be a number, got {when[key]!r}")
@@ -212,12 +213,18 @@ def _escalation(where: str, spec, models: set[str], model: str) -> Escalation | 
     if spec["model"] == model:
         raise ConfigError(f"{where}.escalate: escalating to the same model ({model}) "
                           "would only run the request twice")
-    tier = spec.get("tier")
-    if tier is not None and tier not in TIER_NAMES:
-        raise ConfigError(f"{where}.escalate: tier must be one of {', '.join(TIER_NAMES)}")
+    tier = _tier(f"{where}.escalate", spec.get("tier"))
     low = spec.get("min_mean_logprob")
     if low is not None and not isinstance(low, (int, float)):
         raise ConfigError(f"{where}.escalate: min_mean_logprob must be a number")
     return Escalation(spec["model"], tier, bool(spec.get("on_empty", True)),
                       bool(spec.get("on_length", True)),
                       None if low is None else float(low))
+
+
+def _tier(where: str, name) -> Tier | None:
+    if name is None:
+        return None
+    if name not in TIER_NAMES:
+        raise ConfigError(f"{where}: tier must be one of {', '.join(TIER_NAMES)}, got {name!r}")
+    return Tier.parse(name)

@@ -1,23 +1,26 @@
 """The one interface the server's routes and the batch runner talk to.
 
 A backend takes a request (a chat or a text prompt, sampling parameters, the tier it asks
-for), streams its outputs, aborts it, and says how loaded it is. The in-process engine
-(router/local.py) and a fleet of remote replicas (router/fleet.py) both implement it, so
-the routes have no "if remote" branches: what differs (rendering a chat template here,
-forwarding the messages there; metering every step here, estimating from token timings
-there) is each backend's own business.
+for), streams its outputs, aborts it, says how loaded each of its units is, and takes a
+new capacity setting. The in-process engine (router/local.py) and a fleet of remote
+replicas (router/fleet.py) both implement it, so nothing above it asks which one it has:
+what differs (rendering a chat template here, forwarding the messages there; metering
+every step here, estimating from token timings there; resizing engines here, the
+gateway's reserve there) is each backend's own business.
 """
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from tierserve.core.request import Owner, Tier
-from tierserve.engine.outputs import RequestOutput
+from tierserve.core.outputs import RequestOutput
+from tierserve.core.request import Owner
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 if TYPE_CHECKING:
     from tierserve.model.tokenizer import Tokenizer
+    from tierserve.schedule import HourPlan
 
 
 @dataclass
@@ -31,18 +34,6 @@ Prompt = Chat | str | list[int]
 """What a backend is asked to complete: a chat, a text, or token ids."""
 
 
-@dataclass
-class Load:
-    """How busy a backend is (the gateway's routing and /metrics read it)."""
-
-    running: dict[str, int] = field(default_factory=dict)
-    """Requests producing tokens, by tier."""
-    waiting: dict[str, int] = field(default_factory=dict)
-    """Requests accepted and not yet producing tokens, by tier."""
-    kv_usage: float | None = None
-    """Fraction of the KV cache in use, where known."""
-
-
 class Backend(Protocol):
     max_model_len: int | None
     """Longest prompt + output in tokens (None: unknown here; the replicas check)."""
@@ -54,9 +45,8 @@ class Backend(Protocol):
     """Set when the backend can no longer serve (health answers 503)."""
     tokenizer: "Tokenizer | None"
     """The model's tokenizer where this process has it (/tokenize, echo)."""
-
-    def served_tier(self, tier: Tier) -> Tier:
-        """The tier a request asking for `tier` is served and billed in."""
+    tier_map: dict[Tier, Tier]
+    """Tier asked for -> the tier it is served and billed in (fixed: made once)."""
 
     def prepare(self, prompt: Prompt) -> Prompt:
         """Check a prompt and bring it to what `submit` takes (the in-process engine
@@ -75,14 +65,22 @@ class Backend(Protocol):
     def abort(self, request_id: str) -> None:
         ...
 
-    def load(self) -> Load:
-        ...
-
     def units(self) -> list[dict]:
         """Each engine or replica: name, kind (`engine`/`replica`), healthy, running,
         waiting, max_num_seqs, kv_usage (None where unknown). /metrics and the dashboard
         read it."""
         ...
+
+    def kv_blocks_in_use(self) -> int | None:
+        """KV blocks held by requests right now, where this process holds the KV cache
+        (None: a replica's, seen only through its scraped usage)."""
+
+    def reconfigure(self, entry: "HourPlan") -> dict:
+        """Apply a capacity-schedule entry now, without dropping a request (what each
+        backend can: server/capacity.py); returns what was set."""
+
+    def restore(self) -> None:
+        """Undo `reconfigure`: as the backend was started."""
 
     def meter(self, recorder, price_per_hour: float, sink) -> None:
         """Price every request it runs through `recorder` (and tell `sink`, a

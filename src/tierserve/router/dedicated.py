@@ -14,17 +14,20 @@ here so the two engines' ids cannot collide.
 
 import itertools
 
-from tierserve.core.request import Owner, Tier
+from tierserve.core.request import Owner
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 
 class DedicatedEngines:
     def __init__(self, fast: AsyncEngine, main: AsyncEngine):
         self.fast, self.main = fast, main
-        fast.engine.core.dedicated_tier = Tier.PRIORITY  # fcfs inside, priority on the bill
+        fast.engine.core.dedicate(Tier.PRIORITY)  # fcfs inside, priority on the bill
         self.engine = main.engine
         """The batching engine: its config and stat sinks stand for the deployment."""
+        self.tier_map = {t: self._target(t).tier_map[t] for t in Tier}
+        """Tier asked for -> served: priority on the fast engine, the rest on the main."""
         self._owner: dict[str, AsyncEngine] = {}
         self._ids = itertools.count()
 
@@ -38,9 +41,6 @@ class DedicatedEngines:
 
     def _target(self, tier: Tier) -> AsyncEngine:
         return self.fast if tier == Tier.PRIORITY else self.main
-
-    def served_tier(self, tier: Tier) -> Tier:
-        return self._target(tier).engine.served_tier(tier)
 
     async def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                           tier: Tier = Tier.DEFAULT, priority: int = 0,

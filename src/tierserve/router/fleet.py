@@ -7,8 +7,11 @@ one request table; a request's dispatch, retry, metering and single finish share
 
 NOTE: one request's life
     `submit` queues it at the gateway (router/flow.py decides when and where it goes); the
-    dispatcher sends it and streams the replica's chunks back as RequestOutputs, feeding
-    the replica's meter (metering/estimate.py) and the gateway's latency signal. A replica
+    dispatcher sends it and streams the replica's chunks back as RequestOutputs. What
+    happened is told to the one request accounting the engine uses too
+    (core/accounting.py: timeline, metering, sinks; the replica's meter is
+    metering/estimate.py's, plugged in as its metering) and to the gateway's latency
+    signal; this file keeps no bookkeeping of its own. A replica
     that fails before the request's first token: the request goes back to the head of its
     queue, once, excluding that replica. After a token: the stream ends with an error
     (nothing can be replayed without sending text twice), except for a batch line, whose
@@ -23,25 +26,27 @@ NOTE: health
 """
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
-from collections import deque
 from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tierserve.core.accounting import Accounting
 from tierserve.core.clock import Clock
-from tierserve.core.request import NO_OWNER, Owner, Tier
+from tierserve.core.outputs import CompletionOutput, RequestOutput, read_outputs
+from tierserve.core.request import NO_OWNER, Owner
 from tierserve.core.stats import RequestCost, RequestStats
 from tierserve.core.step_time import StepTimeModel
-from tierserve.engine.outputs import CompletionOutput, RequestOutput, read_outputs
+from tierserve.tiers import Tier
 from tierserve.errors import (ConfigError, InvalidRequestError, ReplicaUnavailableError,
                               TierserveError, UpstreamError)
-from tierserve.metering.estimate import ReplicaMeter
+from tierserve.metering.estimate import FleetMetering, ReplicaMeter
 from tierserve.router import remote
-from tierserve.router.backend import Chat, Load, Prompt
+from tierserve.router.backend import Chat, Prompt
 from tierserve.router.flow import FlowConfig, Gateway, Pending, ReplicaState, prefix_keys
 from tierserve.sampling_params import SamplingParams
 
@@ -58,6 +63,9 @@ CHARS_PER_TOKEN = 4
 
 @dataclass(eq=False)
 class _Request:
+    """What the gateway needs to send a request and relay its answer (its timeline and
+    cost are the accounting's, in `stats`)."""
+
     pending: Pending
     prompt: Prompt
     params: SamplingParams
@@ -67,9 +75,6 @@ class _Request:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     text: str = ""
     attempts: int = 0
-    cost: RequestCost = field(default_factory=RequestCost)
-    exact_cost: RequestCost | None = None
-    """Machine cost a tierserve replica reported, to check the estimate."""
     task: asyncio.Task | None = None
     done: bool = False
 
@@ -102,18 +107,18 @@ class FleetBackend:
         self.health_interval_s = health_interval_s
         self.gateway = Gateway([ReplicaState(s.name, s.max_num_seqs) for s in specs],
                                flow or FlowConfig())
+        self._flow_started: FlowConfig | None = None
+        """The gateway's flow config before the first `reconfigure`."""
         self.max_model_len = None
         self.max_num_seqs = sum(s.max_num_seqs for s in specs)
-        self.meters: dict[str, ReplicaMeter] = {}
-        self.recorder = self.sink = None
+        self.tier_map = {t: t for t in Tier}
+        """The gateway serves each tier as asked (a replica's own tiers are its own)."""
+        self.accounting = Accounting()
         self._timeouts = (connect_timeout_s, read_timeout_s)
         self._client: httpx.AsyncClient | None = None
         """Health checks and /metrics; requests go through `_session` (remote.session)."""
         self._session = None
         self._requests: dict[str, _Request] = {}
-        self.cost_checks: deque[tuple[RequestCost, RequestCost]] = deque(maxlen=10_000)
-        """(estimated, exact) machine cost of recent requests whose replica reported its
-        exact cost (kind tierserve): how good the estimate is."""
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -124,9 +129,6 @@ class FleetBackend:
         if any(r.healthy for r in self.gateway.replicas):
             return None
         return ReplicaUnavailableError("no replica is healthy")
-
-    def served_tier(self, tier: Tier) -> Tier:
-        return tier
 
     def prepare(self, prompt: Prompt) -> Prompt:
         return prompt
@@ -152,8 +154,7 @@ class FleetBackend:
         pending = Pending(rid, tier, n, max_tokens, now,
                           prefix_keys(tokens if tokens is not None else self._text(prompt)),
                           tenant=owner.tenant, weight=owner.weight)
-        stats = RequestStats(rid, now, tier=tier.label, served_tier=tier.label,
-                             num_prompt_tokens=n)
+        stats = self.accounting.start(rid, now, tier, tier, n)
         self._requests[rid] = _Request(pending, prompt, params, priority, stats, owner)
         self.gateway.submit(pending)
         self._wake.set()
@@ -171,17 +172,6 @@ class FleetBackend:
         elif self.gateway.remove(req.pending):
             self._finish(req, "abort")
 
-    def load(self) -> Load:
-        running, waiting = {}, {}
-        for r in self.gateway.replicas:
-            for tier, n in r.in_flight.items():
-                running[tier.label] = running.get(tier.label, 0) + n
-        for tier, queue in self.gateway.queues.items():
-            if queue:
-                waiting[tier.label] = len(queue)
-        kv = [r.kv_usage for r in self.gateway.replicas if r.kv_usage is not None]
-        return Load(running, waiting, max(kv) if kv else None)
-
     def units(self) -> list[dict]:
         """Each replica's load and health, for the dashboard."""
         return [{"name": r.name, "kind": "replica", "healthy": r.healthy,
@@ -189,16 +179,42 @@ class FleetBackend:
                  "max_num_seqs": r.max_num_seqs, "kv_usage": r.kv_usage}
                 for r in self.gateway.replicas]
 
+    def kv_blocks_in_use(self) -> None:
+        return None  # the replicas hold the KV caches
+
+    def reconfigure(self, entry) -> dict:
+        """The gateway's priority reserve per replica (the replicas size themselves)."""
+        self._flow_started = self._flow_started or self.gateway.config
+        self.gateway.config = dataclasses.replace(
+            self._flow_started, reserved_priority_seqs=entry.reserved_priority_seqs)
+        return {"reserved_priority_seqs": entry.reserved_priority_seqs}
+
+    def restore(self) -> None:
+        if self._flow_started is not None:
+            self.gateway.config, self._flow_started = self._flow_started, None
+
     def meter(self, recorder, price_per_hour: float, sink) -> None:
         from tierserve.metering.prices import machine_price
 
-        self.recorder, self.sink = recorder, sink
+        meters = {}
         for name, spec in self.specs.items():
             price = price_per_hour if spec.price_per_hour is None and spec.hardware is None \
                 else machine_price(spec.hardware or "cpu-local", spec.price_per_hour)
-            meter = ReplicaMeter(price, self.work_model)
-            self.meters[name] = meter
-            recorder.meters.append(meter)
+            meters[name] = ReplicaMeter(price, self.work_model)
+        self.accounting.metering = FleetMetering(recorder, meters)
+        self.accounting.sinks = [sink]
+
+    @property
+    def meters(self) -> dict[str, ReplicaMeter]:
+        """Each replica's meter (empty until `meter()`)."""
+        metering = self.accounting.metering
+        return metering.meters if metering is not None else {}
+
+    @property
+    def cost_checks(self):
+        """(estimated, reported) machine cost of recent requests (metering/estimate.py)."""
+        metering = self.accounting.metering
+        return metering.cost_checks if metering is not None else ()
 
     async def stop(self) -> None:
         for req in list(self._requests.values()):
@@ -241,13 +257,9 @@ class FleetBackend:
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
-        flushed = self.clock.now()
         while True:
             self._wake.clear()
             now = self.clock.now()
-            if self.recorder is not None and now - flushed >= 1.0:
-                self.recorder.flush_idle()  # replicas' idle time to the ledger as it closes
-                flushed = now
             released, refused = self.gateway.release(now)
             for pending, replica in released:
                 req = self._requests[pending.request_id]
@@ -261,21 +273,15 @@ class FleetBackend:
                 timer.cancel()
 
     async def _run(self, req: _Request, replica: ReplicaState) -> None:
-        spec, meter = self.specs[replica.name], self.meters.get(replica.name)
-        rid, stats = req.pending.request_id, req.stats
+        spec, stats, acc = self.specs[replica.name], req.stats, self.accounting
         req.attempts += 1
-        now = self.clock.now()
-        if stats.first_scheduled_time is None:
-            stats.first_scheduled_time = now
-        stats.engine = replica.name  # the last replica tried is the one that served it
         stats.model = self.model_name
-        if meter is not None:
-            meter.start(rid, now, stats.num_prompt_tokens)
+        acc.scheduled(stats, self.clock.now(), replica.name)
         path, body = self._upstream(req, spec)
         reason, retry, error = None, False, None
         try:
             async for chunk in remote.stream(self._session, spec, path, body):
-                reason = self._on_chunk(req, chunk, meter) or reason
+                reason = self._on_chunk(req, chunk) or reason
             if reason is None:  # vLLM stopped by SIGTERM can end a cut stream with [DONE]
                 raise remote.ReplicaDown(f"{spec.name} ended the stream without a "
                                          "finish_reason")
@@ -294,15 +300,11 @@ class FleetBackend:
             error = exc
         finally:
             now = self.clock.now()
-            if meter is not None:
-                part = meter.finish(rid, now)
-                req.cost.prefill_cost += part.prefill_cost
-                req.cost.decode_cost += part.decode_cost
-                req.cost.num_steps += part.num_steps
-                req.cost.batch_size_sum += part.batch_size_sum
+            acc.left(stats, now)
             req.task = None
             if retry and not req.done:
-                req.text, stats.first_token_time, stats.token_times = "", None, []
+                req.text = ""
+                acc.restart(stats)
                 self.gateway.retry(req.pending)
             else:
                 self.gateway.finished(req.pending, now, stats.ttft_s, stats.tpot_s)
@@ -341,7 +343,7 @@ class FleetBackend:
         return path, remote.upstream_body(spec, path, body, self.model_name,
                                           req.pending.tier, req.priority)
 
-    def _on_chunk(self, req: _Request, chunk: dict, meter: ReplicaMeter | None) -> str | None:
+    def _on_chunk(self, req: _Request, chunk: dict) -> str | None:
         now, stats = self.clock.now(), req.stats
         reason = None
         for choice in chunk.get("choices") or []:
@@ -351,24 +353,20 @@ class FleetBackend:
             reason = choice.get("finish_reason") or reason
             if text:
                 if stats.first_token_time is None:
-                    stats.first_token_time = now
                     self.gateway.first_token(req.pending, now)
-                stats.token_times.append(now)
-                if meter is not None:
-                    meter.tokens(req.pending.request_id, now)
+                self.accounting.tokens(stats, 1, now)
                 req.text += text
                 req.queue.put_nowait(self._output(req, text, None))
         usage = chunk.get("usage")
         if usage:
-            stats.num_prompt_tokens = usage.get("prompt_tokens", stats.num_prompt_tokens)
-            stats.num_output_tokens = usage.get("completion_tokens", 0)
             details = usage.get("prompt_tokens_details") or {}
-            stats.num_cached_tokens = details.get("cached_tokens") or 0
+            self.accounting.usage(stats, usage.get("prompt_tokens", stats.num_prompt_tokens),
+                                  details.get("cached_tokens") or 0,
+                                  usage.get("completion_tokens", 0))
             cost = usage.get("cost_details")
             if isinstance(cost, dict) and "machine_usd" in cost:
-                exact = req.exact_cost = req.exact_cost or RequestCost()
-                exact.prefill_cost += cost.get("prefill_usd", 0.0)
-                exact.decode_cost += cost.get("decode_usd", 0.0)
+                self.accounting.reported_cost(stats, RequestCost(
+                    cost.get("prefill_usd", 0.0), cost.get("decode_usd", 0.0)))
         return reason
 
     def _output(self, req: _Request, delta: str, reason: str | None) -> RequestOutput:
@@ -378,20 +376,10 @@ class FleetBackend:
                              delta, [], req.stats)
 
     def _finish(self, req: _Request, reason: str, error: TierserveError | None = None) -> None:
-        """Account the request once: stats, bill, sinks, its last output or its error."""
+        """Account the request once (the accounting bills it and tells the sinks), then
+        its last output or its error."""
         req.done = True
-        stats = req.stats
-        stats.finished_time = self.clock.now()
-        stats.finish_reason = reason
-        if not stats.num_output_tokens:
-            stats.num_output_tokens = len(stats.token_times)
-        if req.exact_cost is not None:
-            self.cost_checks.append((req.cost, req.exact_cost))
-        if self.recorder is not None:
-            stats.cost = req.cost
-            stats.charge = self.recorder.finished(stats, req.cost)
-        if self.sink is not None:
-            self.sink.on_request_finished(stats)
+        self.accounting.finish(req.pending.request_id, self.clock.now(), reason)
         self._requests.pop(req.pending.request_id, None)
         req.queue.put_nowait(error if error is not None else self._output(req, "", reason))
 

@@ -43,8 +43,8 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from tierserve.core.fair import FairShare
-from tierserve.core.request import Tier
 from tierserve.errors import ConfigError
+from tierserve.tiers import Tier
 
 PREFIX_BLOCK = 64
 """Tokens (or characters, for text prompts) per prefix-affinity block."""

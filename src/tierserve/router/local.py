@@ -1,14 +1,22 @@
 """The in-process engine as a backend: one AsyncEngine (shared deployment) or the
-dedicated pair (router/dedicated.py)."""
+dedicated pair (router/dedicated.py).
 
-from collections import Counter
+A capacity-schedule entry (`reconfigure`) sets each engine's max_num_seqs, token budget,
+priority reserve and priority step-time cap, never above what the engine was started
+with (its buffers and KV pool were sized for those). The scheduler reads its config at
+every step; a new config object is swapped in whole, so a step sees the old entry or the
+new one, never a mix.
+"""
 
-from tierserve.core.request import Owner, RequestStatus, Tier
+import dataclasses
+
+from tierserve.core.request import Owner, RequestStatus
 from tierserve.engine.async_engine import AsyncEngine
 from tierserve.errors import InvalidRequestError
-from tierserve.router.backend import Chat, Load, Prompt
+from tierserve.router.backend import Chat, Prompt
 from tierserve.router.dedicated import DedicatedEngines
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 
 class LocalBackend:
@@ -26,14 +34,14 @@ class LocalBackend:
         self.max_model_len = main.max_model_len
         self.max_num_seqs = main.config.scheduler.max_num_seqs
         self.slo = dict(main.config.tiers.slo)
+        self.tier_map = deployment.tier_map
         self._sink = None
+        self._started: dict[int, tuple] = {}
+        """id(scheduler) -> (its config, its step-time cap) before the first reconfigure."""
 
     @property
     def errored(self) -> BaseException | None:
         return self.deployment.errored
-
-    def served_tier(self, tier: Tier) -> Tier:
-        return self.deployment.served_tier(tier)
 
     def prepare(self, prompt: Prompt) -> Prompt:
         if not isinstance(prompt, Chat):
@@ -54,24 +62,14 @@ class LocalBackend:
     def abort(self, request_id: str) -> None:
         self.deployment.abort(request_id)
 
-    def load(self) -> Load:
-        running, waiting = Counter(), Counter()
-        usage = 0.0
-        for part in self.deployment.engines:
-            sched = part.engine.scheduler
-            for request in list(sched.requests.values()):  # one C call: safe mid-step
-                busy = request.status == RequestStatus.RUNNING and request.num_output_tokens
-                (running if busy else waiting)[request.tier.label] += 1
-            usage = max(usage, part.engine.block_manager.usage)
-        return Load(dict(running), dict(waiting), usage)
-
     def meter(self, recorder, price_per_hour: float, sink) -> None:
         self._sink = sink
         for part in self.deployment.engines:
             sched = part.engine.config.scheduler
             reserved = 1.0 if part is not self.deployment.engines[-1] else \
                 sched.reserved_priority_seqs / sched.max_num_seqs  # a dedicated fast lane: all
-            recorder.attach(part.engine, price_per_hour * self.machine_share, reserved)
+            recorder.attach(part.engine, price_per_hour * self.machine_share, reserved,
+                            self.name)
             part.engine.add_sink(_Labelled(sink, self.engine_label(part), self.name))
 
     def engine_label(self, part: AsyncEngine) -> str:
@@ -95,6 +93,39 @@ class LocalBackend:
                         "max_num_seqs": engine.config.scheduler.max_num_seqs,
                         "kv_usage": engine.block_manager.usage})
         return out
+
+    def kv_blocks_in_use(self) -> int:
+        return sum(p.engine.block_manager.num_blocks - p.engine.block_manager.num_free_blocks
+                   for p in self.deployment.engines)
+
+    def reconfigure(self, entry) -> dict:
+        applied = {}
+        for part in self.deployment.engines:
+            sched = part.engine.scheduler
+            config, cap = self._started.setdefault(id(sched), (sched.config,
+                                                               sched.step_time_limit_s))
+            seqs = min(entry.max_num_seqs, config.max_num_seqs)
+            new = dataclasses.replace(
+                config, max_num_seqs=seqs,
+                max_num_batched_tokens=min(entry.max_num_batched_tokens,
+                                           config.max_num_batched_tokens),
+                reserved_priority_seqs=min(entry.reserved_priority_seqs, seqs - 1)
+                if config.policy == "tiered" else config.reserved_priority_seqs)
+            new.validate()
+            sched.config = new  # one reference swap: a step reads the old or the new whole
+            sched.step_time_limit_s = cap if entry.priority_step_time_s is None \
+                else entry.priority_step_time_s or None
+            applied = {"max_num_seqs": new.max_num_seqs,
+                       "max_num_batched_tokens": new.max_num_batched_tokens,
+                       "reserved_priority_seqs": new.reserved_priority_seqs,
+                       "priority_step_time_s": sched.step_time_limit_s}
+        return applied
+
+    def restore(self) -> None:
+        for part in self.deployment.engines:  # an engine may outlive a server (tests)
+            sched = part.engine.scheduler
+            if id(sched) in self._started:
+                sched.config, sched.step_time_limit_s = self._started.pop(id(sched))
 
     async def stop(self) -> None:
         await self.deployment.stop()

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from tierserve.core.request import Tier
 from tierserve.errors import ConfigError, UpstreamError
+from tierserve.tiers import Tier
 
 KINDS = ("vllm", "tierserve", "openai")
 

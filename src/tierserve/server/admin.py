@@ -35,6 +35,8 @@ def spend(state, tenant: str) -> dict:
     reserved = recorder.reserved(tenant)
     out = {"object": "tenant.spend", "tenant": tenant, "reserved_usd": reserved,
            "by_period": by_period, "budget": None}
+    if state.open_mode:  # one owner: the machine's cost is theirs to see, idle included
+        out["machine"] = recorder.machine_totals()
     if budget is not None:
         spent = recorder.spent(tenant)
         out["budget"] = {"amount_usd": budget.amount_usd, "period": budget.period,

@@ -14,11 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tierserve.batch import routes as batch_routes
-from tierserve.batch.routes import CHUNK
-from tierserve.core.request import Tier
 from tierserve.core.stats import RequestStats
-from tierserve.engine.async_engine import AsyncEngine
+from tierserve.tiers import Tier, resolve
 from tierserve import __version__
 from tierserve.errors import (AuthenticationError, InvalidRequestError, NotFoundError,
                               OverloadedError, RequestTooLargeError, TierNotAllowedError,
@@ -26,9 +23,7 @@ from tierserve.errors import (AuthenticationError, InvalidRequestError, NotFound
 from tierserve.metering.ledger import Ledger
 from tierserve.metering.recorder import Recorder
 from tierserve.router.backend import Backend
-from tierserve.router.dedicated import DedicatedEngines
-from tierserve.router.local import LocalBackend
-from tierserve.server import admin, capacity, completions, dashboard, routing
+from tierserve.server import admin, batches, capacity, completions, dashboard, routing
 from tierserve.server import openai_format as fmt
 from tierserve.server.admission import Admission
 from tierserve.server.http_errors import error_response, validation_error
@@ -37,7 +32,7 @@ from tierserve.server.tenants import TenantStore
 from tierserve.server.metrics import Metrics
 from tierserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
-from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant, resolve_tier
+from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant
 from tierserve.server.timeline import Timeline
 
 
@@ -63,7 +58,8 @@ class ServerState:
         self.recorder = Recorder(model_name, settings.prices,
                                  Ledger(settings.ledger_target)
                                  if settings.ledger_target else None,
-                                 settings.budgets, on_idle=self.metrics.observe_idle)
+                                 settings.budgets)
+        self.metrics.watch_idle(self.recorder)
         self.limiter = RateLimiter(settings.rate_limits)
         self.tenants = TenantStore(self, settings.ledger_target)
         self.backend: Backend | None = None
@@ -77,7 +73,7 @@ class ServerState:
             self.classifier = Classifier.load(settings.route_classifier)
         self.capacity = capacity.Capacity(self, settings.schedule) if settings.schedule \
             else None
-        self.batches = batch_routes.Batches(self, settings.data_dir) if settings.data_dir \
+        self.batches = batches.Batches(self, settings.data_dir) if settings.data_dir \
             else None
 
     def attach(self, backend: Backend, name: str | None = None) -> None:
@@ -89,9 +85,8 @@ class ServerState:
         if name is not None:
             return
         self.metrics.slo = dict(backend.slo)
-        if isinstance(backend, LocalBackend):
-            self.metrics.watch_block_managers([p.engine.block_manager
-                                               for p in backend.deployment.engines])
+        if backend.kv_blocks_in_use() is not None:  # where this process holds the KV cache
+            self.metrics.watch_kv_blocks(backend.kv_blocks_in_use)
         self.admission = admission
         self.backend = backend
 
@@ -111,8 +106,7 @@ class ServerState:
         self.timeline.on_step(stats)
 
     def on_request_finished(self, stats: RequestStats) -> None:
-        self.metrics.observe_request(stats.billed_tier, stats)
-        self.metrics.observe_cost(stats.billed_tier, stats)
+        self.metrics.observe_request(stats)
         self.timeline.on_request_finished(stats)
 
     def ready(self) -> Backend:
@@ -121,9 +115,14 @@ class ServerState:
                                   code="model_loading")
         return self.backend
 
+    @property
+    def open_mode(self) -> bool:
+        """No API keys and no admin key: loopback only, one owner."""
+        return not self.settings.api_keys and self.settings.admin_key is None
+
     def authenticate(self, request: Request) -> Tenant:
         keys = self.settings.api_keys
-        if not keys and self.settings.admin_key is None:
+        if self.open_mode:
             return OPEN_TENANT
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
@@ -158,27 +157,27 @@ class ServerState:
             raise NotFoundError(f"the model `{model}` does not exist; this server serves "
                                 f"{', '.join(f'`{m}`' for m in names)}", param="model")
 
-    def tier_for(self, requested: str | None, tenant: Tenant) -> Tier:
-        """The tier this tenant's request runs in (parsed here, once, at the edge)."""
-        tier = resolve_tier(requested, tenant)
-        wanted = "default" if requested in (None, "auto") else requested
-        if tier is None or (tier != wanted and self.settings.strict_tiers):
-            raise TierNotAllowedError(f"tenant {tenant.name!r} may not use the {wanted} tier "
+    def tier_for(self, asked: Tier, tenant: Tenant) -> Tier:
+        """The tier this tenant's request asking for `asked` runs in (tiers.resolve;
+        with `strict_tiers`, 403 instead of another tier)."""
+        tier = resolve(asked, tenant.allowed)
+        if tier is None or (tier != asked and self.settings.strict_tiers):
+            raise TierNotAllowedError(f"tenant {tenant.name!r} may not use the {asked} tier "
                                       f"(allowed: {', '.join(tenant.tiers)})")
-        return Tier.parse(tier)
+        return tier
 
 
-def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
-               settings: ServerSettings, model_name: str = "default") -> FastAPI:
+def create_app(backend: Backend | None, settings: ServerSettings,
+               model_name: str = "default") -> FastAPI:
     """`backend`: None to attach one later (`app.state.tierserve.attach`); an in-process
-    deployment is wrapped in a LocalBackend."""
+    engine is a `router.local.LocalBackend`."""
     settings.validate()
     state = ServerState(settings, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         async with dashboard.sampling(state), capacity.following(state), \
-                batch_routes.running(state):
+                batches.running(state):
             yield  # batches stop first: their lines abort cleanly
         if state.backend is not None:
             await state.backend.stop()
@@ -198,14 +197,12 @@ def create_app(backend: "Backend | AsyncEngine | DedicatedEngines | None",
         if settings.disable_fastapi_docs else {}
     app = FastAPI(title="tierserve", lifespan=lifespan, **quiet, **docs)
     app.state.tierserve = state
-    if isinstance(backend, (AsyncEngine, DedicatedEngines)):
-        backend = LocalBackend(backend)
     if backend is not None:
         state.attach(backend)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes,
-                       paths={"/v1/files": settings.max_file_bytes + CHUNK})
+                       paths={"/v1/files": settings.max_file_bytes + batches.CHUNK})
     _add_error_handlers(app)
-    batch_routes.register(app, state)
+    batches.register(app, state)
     admin.register(app, state)
     dashboard.register(app, state)
     state.metrics.registry.register(admin.SpendCollector(state))

@@ -1,7 +1,8 @@
-"""A capacity schedule applied live (YAML `schedule:`, sim/schedule.py's format, as
+"""A capacity schedule applied live (YAML `schedule:`, schedule.py's format, as
 `tierserve plan --forecast` writes it).
 
-At each entry's start the server sets, without a restart and without dropping a request:
+At each entry's start the server sets, without a restart and without dropping a request,
+what each backend can take (`Backend.reconfigure`):
   - on each in-process engine: max_num_seqs, the step's token budget, the priority
     reserve and the priority step-time cap of the entry (the first two never above what
     the engine was started with: its buffers and KV pool were sized for those);
@@ -13,19 +14,14 @@ The replica counts are for an autoscaler, which this server cannot start machine
 `GET /v1/schedule` and the gauge `tierserve_schedule_replicas{pool}` give what to have
 ready now (the pre-warm lead is already in them); the gateway routes to the replicas
 that answer their health checks, so new ones join as they come up.
-
-The engine's scheduler reads its config at every step; a new config object is swapped
-in whole, so a step sees the old entry or the new one, never a mix.
 """
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 
 from prometheus_client import Gauge
 
-from tierserve.router.local import LocalBackend
 from tierserve.tasks import background
 
 
@@ -34,8 +30,6 @@ class Capacity:
         self.state, self.schedule, self.clock = state, schedule, clock
         self.index: int | None = None
         self.applied: dict = {}
-        self._started: dict[int, tuple] = {}
-        """id(scheduler) -> (its config, its step-time cap) when the server started."""
         r = state.metrics.registry
         self.replicas_gauge = Gauge("tierserve_schedule_replicas", "Replicas the capacity "
                                     "schedule wants ready now, per pool (pre-warm included).",
@@ -54,14 +48,7 @@ class Capacity:
             return False
         entry = self.schedule.hours[index]
         for served in self.state.served.values():
-            backend = served.backend
-            if isinstance(backend, LocalBackend):
-                for part in backend.deployment.engines:
-                    self._engine(part.engine.scheduler, entry)
-            elif hasattr(backend, "gateway"):
-                flow = backend.gateway.config
-                backend.gateway.config = dataclasses.replace(
-                    flow, reserved_priority_seqs=entry.reserved_priority_seqs)
+            self.applied = served.backend.reconfigure(entry)
         for pool, n in entry.replicas.items():
             self.replicas_gauge.labels(pool).set(n)
         self.entry_gauge.set(index)
@@ -71,33 +58,10 @@ class Capacity:
             self.state.batches.wake()
         return True
 
-    def _engine(self, sched, entry) -> None:
-        config, cap = self._started.setdefault(id(sched), (sched.config,
-                                                           sched.step_time_limit_s))
-        seqs = min(entry.max_num_seqs, config.max_num_seqs)
-        new = dataclasses.replace(
-            config, max_num_seqs=seqs,
-            max_num_batched_tokens=min(entry.max_num_batched_tokens,
-                                       config.max_num_batched_tokens),
-            reserved_priority_seqs=min(entry.reserved_priority_seqs, seqs - 1)
-            if config.policy == "tiered" else config.reserved_priority_seqs)
-        new.validate()
-        sched.config = new  # one reference swap: a step reads the old or the new whole
-        sched.step_time_limit_s = cap if entry.priority_step_time_s is None \
-            else entry.priority_step_time_s or None
-        self.applied = {"max_num_seqs": new.max_num_seqs,
-                        "max_num_batched_tokens": new.max_num_batched_tokens,
-                        "reserved_priority_seqs": new.reserved_priority_seqs,
-                        "priority_step_time_s": sched.step_time_limit_s}
-
     def restore(self) -> None:
-        """Put each engine back as it was started (an engine may outlive a server)."""
+        """Put each backend back as it was started (an engine may outlive a server)."""
         for served in self.state.served.values():
-            if isinstance(served.backend, LocalBackend):
-                for part in served.backend.deployment.engines:
-                    sched = part.engine.scheduler
-                    if id(sched) in self._started:
-                        sched.config, sched.step_time_limit_s = self._started[id(sched)]
+            served.backend.restore()
         self.index = None
 
     # ----------------------------------------------------------------- batches

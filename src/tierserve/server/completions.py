@@ -8,7 +8,6 @@ import json
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from tierserve.core.request import Tier
 from tierserve.errors import InvalidRequestError, OverloadedError, TierserveError
 from tierserve.router.backend import Backend, Chat, Prompt
 from tierserve.server import openai_format as fmt
@@ -16,7 +15,8 @@ from tierserve.server import tools
 from tierserve.server.http_errors import error_body, validation_error
 from tierserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tierserve.server.routing import Choice, choose, escalation
-from tierserve.server.settings import Tenant, resolve_tier
+from tierserve.server.settings import Tenant
+from tierserve.tiers import Tier
 
 KINDS = {"/v1/chat/completions": ("chat", ChatCompletionRequest),
          "/v1/completions": ("completion", CompletionRequest)}
@@ -50,10 +50,10 @@ async def execute(state, endpoint: str, raw: dict, tenant: Tenant, tags: dict,
         if body.stream:
             raise InvalidRequestError("stream is not supported in a batch", param="stream")
         state.check_model(body.model)
-        choice = choose(state, body, tenant)
+        choice = choose(state, body, tenant, batch=True)
         found = prompts(state, body, choice.served.backend)
-        run, tier = await start(state, body, found, tenant, rid, tier=Tier.BATCH, tags=tags,
-                                queue_limit=False, choice=choice)
+        run, tier = await start(state, body, found, tenant, rid, choice, tags=tags,
+                                queue_limit=False)
         result, _ = await collect(state, run, kind, tier, body, found)
         return 200, result
     except TierserveError as exc:
@@ -79,28 +79,22 @@ def worst_case_tokens(backend: Backend, prompt: Prompt, params) -> tuple[int, in
     return n, params.max_tokens or max(room, 1)
 
 
-async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier | None = None,
-                tags: dict | None = None, queue_limit: bool = True,
-                choice: Choice | None = None) -> tuple["ChoiceRun", str]:
-    """Admit the request and add every choice to the backend; `tier` None: from the body.
-    The first choice runs under the response's id `rid`, choice i under `rid-i`: the ledger
-    row of a response is found by its id. Admission takes, in order: the tenant's rate
-    limits, a reservation of its worst-case charge against its budget, a place in the
-    tier's queue; a refusal at any of them gives back what was taken. Returns the run and
-    the tier that serves it; the run's `headers` carry the tenant's rate-limit state.
-    `choice`: the served model and route (default: the main model, as asked)."""
+async def start(state, body, prompts: list, tenant: Tenant, rid: str, choice: Choice,
+                tags: dict | None = None,
+                queue_limit: bool = True) -> tuple["ChoiceRun", Tier]:
+    """Admit the request and add every choice to the backend of `choice` (the served model,
+    the tier it runs in, the route). The first choice runs under the response's id `rid`,
+    choice i under `rid-i`: the ledger row of a response is found by its id. Admission
+    takes, in order: the tenant's rate limits, a reservation of its worst-case charge
+    against its budget, a place in the tier's queue; a refusal at any of them gives back
+    what was taken. Returns the run and the tier that serves it (the backend's tier map
+    of the tier asked for); the run's `headers` carry the tenant's rate-limit state."""
     if body.n > state.settings.max_n:
         raise InvalidRequestError(f"n must be at most {state.settings.max_n}", param="n")
     state.ready()
-    choice = choice or Choice(state.target(state.model_name))
     backend, admission = choice.served.backend, choice.served.admission
-    if tier is not None:
-        asked = tier
-    elif choice.tier is not None:  # the route's tier, or the nearest this tenant may use
-        asked = Tier.parse(resolve_tier(choice.tier, tenant) or choice.tier)
-    else:
-        asked = state.tier_for(body.service_tier, tenant)
-    served = backend.served_tier(asked).label
+    asked = choice.tier
+    served = backend.tier_map[asked]
     params = [body.sampling_params(i) for i in range(body.n)]
     hidden = choice.escalate is not None and choice.escalate.min_mean_logprob is not None \
         and params[0].logprobs is None
@@ -136,7 +130,7 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
     try:
         for index, request_id in enumerate(ids):
             prompt, p = prompts[index // body.n], params[index % body.n]
-            state.recorder.register(request_id, tenant.name, asked.label,
+            state.recorder.register(request_id, tenant.name, asked,
                                     {**body.tags(), **(tags or {}), **route},
                                     choice.served.name if several else None)
             await run.add(prompt, p, asked, body.priority, request_id, owner)
@@ -148,7 +142,7 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, tier: Tier
     return run, served
 
 
-async def collect(state, run: "ChoiceRun", kind: str, tier: str, body,
+async def collect(state, run: "ChoiceRun", kind: str, tier: Tier, body,
                   prompts: list) -> tuple[dict, list]:
     """Wait for every choice: (the whole response body, the final outputs)."""
     try:
@@ -191,55 +185,55 @@ def echoes(body, prompts: list, backend: Backend) -> list[str] | None:
     return texts
 
 
-async def serve(state, kind: str, body, found: list, tenant: Tenant,
-                choice: Choice | None = None, notice: bool = False):
+async def serve(state, kind: str, body, found: list, tenant: Tenant, choice: Choice,
+                notice: bool = False):
     """Answer one HTTP request, whole or as a stream. `notice`: a stream routed to a
     batched tier opens with a `tierserve.route` event (the client asked for it)."""
-    choice = choice or Choice(state.target(state.model_name))
     echo = echoes(body, found, choice.served.backend)
     rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
-    run, tier = await start(state, body, found, tenant, rid, choice=choice)
+    run, tier = await start(state, body, found, tenant, rid, choice)
     if body.stream:
         events = run.outputs()
         first = None
-        if tier == "flex":  # a flex request may be refused: answer 429, not a broken stream
+        if tier == Tier.FLEX:  # may be refused: answer 429, not a broken stream
             try:
                 first = await events.__anext__()
             except BaseException:
                 run.close()
                 raise
-        slow = choice.route is not None and tier != "priority"
+        slow = choice.route is not None and tier != Tier.PRIORITY
         return StreamingResponse(_sse(run, events, first, kind, rid, choice.served.name, tier,
                                       body, len(found), echo, run.backend.tokenizer,
                                       opening=route_opening(choice, tier, notice) if slow
                                       else None),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "x-request-id": rid,
-                                          "x-tierserve-served-tier": tier, **run.headers})
+                                          "x-tierserve-served-tier": tier.label,
+                                          **run.headers})
     result, outputs = await collect(state, run, kind, tier, body, found)
     if run.failed:  # a cascade: the first answer failed its check; both are billed
-        second = escalation(state, choice, run.failed)
+        second = escalation(state, choice, run.failed, tenant)
         rid = f"{rid}-escalated"
         again = prompts(state, body, second.served.backend)  # its own chat template
-        run, tier = await start(state, body, again, tenant, rid, choice=second,
+        run, tier = await start(state, body, again, tenant, rid, second,
                                 tags={"cascade": "escalation"})
         result, outputs = await collect(state, run, kind, tier, body, again)
     return JSONResponse(result, headers={"x-request-id": rid, **run.headers,
                                          **fmt.cost_headers(outputs, tier)})
 
 
-def route_opening(choice: Choice, tier: str, notice: bool) -> str:
+def route_opening(choice: Choice, tier: Tier, notice: bool) -> str:
     """What a stream routed to a batched tier opens with: an SSE comment, which OpenAI
     clients skip, and, when asked for, an event a UI can show as "thinking"."""
     out = f": routed to {choice.served.name} in the {tier} tier ({choice.route})\n\n"
     if notice:
         out += ("event: tierserve.route\ndata: " + json.dumps(
-            {"route": choice.route, "model": choice.served.name, "tier": tier,
+            {"route": choice.route, "model": choice.served.name, "tier": tier.label,
              "notice": "thinking"}) + "\n\n")
     return out
 
 
-async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: str,
+async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: Tier,
                body, num_prompts: int, echo: list[str] | None = None, tokenizer=None,
                opening: str | None = None):
     """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`);
@@ -305,7 +299,7 @@ class ChoiceRun:
     """The backend requests behind one HTTP request (n choices x prompts), merged into one
     stream of (choice index, output); keeps admission counts right whatever happens."""
 
-    def __init__(self, state, backend: Backend, tier: str, expected: int, admission=None):
+    def __init__(self, state, backend: Backend, tier: Tier, expected: int, admission=None):
         self.state, self.backend, self.tier = state, backend, tier
         self.admission = admission or state.admission
         self.choice: Choice | None = None

@@ -99,6 +99,7 @@ async def sampling(state):
 
 
 def sample(state) -> None:
+    state.recorder.accrue()  # idle time to the meters and the ledger as it passes
     if not state.served:
         return
     queued, running, kv = Counter(), Counter(), []

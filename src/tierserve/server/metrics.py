@@ -2,12 +2,12 @@
 `engine` on step figures: `fast` or `main` in the dedicated deployment).
 
 Step-level figures come from the engine's StepStats (`on_step`); request-level figures
-are observed with the tier a request was served in (`observe_request`), which only the
-server knows. The series vLLM also has are exported under vLLM's names as well
+(`observe_request`) are labelled with the tier a request was served and billed in. The series vLLM also has are exported under vLLM's names as well
 (server/metrics_vllm.py). Each app has its own registry.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from tierserve.core.stats import RequestStats, StepStats
 from tierserve.server.metrics_vllm import VllmMetrics
@@ -81,14 +81,8 @@ class Metrics:
                                     tm + ["phase"], registry=r)
         self.charge = Counter("tierserve_charge_usd", "What tenants were charged (USD).", tm,
                               registry=r)
-        self.idle_cost = Counter("tierserve_idle_cost_usd",
-                                 "Machine cost of time with no step running (USD); kind "
-                                 "reserved: capacity held for the priority tier.",
-                                 ["model", "kind"], registry=r)
         self.vllm = VllmMetrics(r, model)
         self.slo = self._slo
-        for kind in ("unreserved", "reserved"):  # a series from the start, not the first idle
-            self.idle_cost.labels(model, kind)
 
     @property
     def slo(self) -> dict:
@@ -112,16 +106,18 @@ class Metrics:
         self.step_time.labels(*labels).observe(s.duration_s)
         self.vllm.on_step(s)
 
-    def watch_block_managers(self, managers: list) -> None:
-        """Read `tierserve_kv_blocks_in_use` off these block managers at each scrape: the
-        step gauge keeps the last step's value while the engine is idle, so only a live
-        read shows blocks that outlive their requests (a leak)."""
-        self.kv_blocks_in_use.labels(self.model).set_function(
-            lambda: sum(m.num_blocks - m.num_free_blocks for m in managers))
+    def watch_kv_blocks(self, read) -> None:
+        """Read `tierserve_kv_blocks_in_use` with `read()` at each scrape: the step gauge
+        keeps the last step's value while the engine is idle, so only a live read shows
+        blocks that outlive their requests (a leak)."""
+        self.kv_blocks_in_use.labels(self.model).set_function(read)
 
     # server side ---------------------------------------------------------
-    def observe_request(self, tier: str, s: RequestStats) -> None:
-        labels = (tier, s.model or self.model)
+    def observe_request(self, s: RequestStats) -> None:
+        """A finished request's latency, tokens, SLO and cost, under the tier that served
+        it (the tier it is billed in)."""
+        tier = s.billed_tier
+        labels = (tier.label, s.model or self.model)
         for hist, value in ((self.ttft, s.ttft_s), (self.e2e, s.e2e_s),
                             (self.queue, s.queue_s), (self.prefill, s.prefill_s),
                             (self.decode, s.decode_s)):
@@ -135,25 +131,24 @@ class Metrics:
         self.cached_tokens.labels(*labels).inc(s.num_cached_tokens)
         self.wasted.labels(*labels).inc(s.num_recomputed_tokens)
         self.preemptions.labels(*labels).inc(s.num_preemptions)
-        slo = self.slo.get(tier)
+        slo = self.slo.get(tier.label)
         if slo is not None:
             self.slo_checked.labels(*labels).inc()
             if s.meets(slo.ttft_s, slo.tpot_s):
                 self.slo_met.labels(*labels).inc()
         self.finished.labels(*labels, s.finish_reason or "error").inc()
         self.vllm.observe_request(s)
-
-    def observe_cost(self, tier: str, s: RequestStats) -> None:
-        model = s.model or self.model
         if s.cost is not None:
-            self.machine_cost.labels(tier, model, "prefill").inc(s.cost.prefill_cost)
-            self.machine_cost.labels(tier, model, "decode").inc(s.cost.decode_cost)
+            self.machine_cost.labels(*labels, "prefill").inc(s.cost.prefill_cost)
+            self.machine_cost.labels(*labels, "decode").inc(s.cost.decode_cost)
         if s.charge:
-            self.charge.labels(tier, model).inc(s.charge)
+            self.charge.labels(*labels).inc(s.charge)
 
-    def observe_idle(self, interval) -> None:
-        self.idle_cost.labels(self.model, "unreserved").inc(interval.cost)
-        self.idle_cost.labels(self.model, "reserved").inc(interval.reserved_cost)
+    def watch_idle(self, recorder) -> None:
+        """`tierserve_idle_cost_usd_total{model,kind}` read off `recorder` at each scrape,
+        after it books idle time up to now: idle cost shows while it accrues, not once
+        the next step starts (kind reserved: capacity held for the priority tier)."""
+        self.registry.register(_IdleCollector(recorder, self.model))
 
     def set_queue_gauges(self, queued: dict, running: dict, units: list[dict] = (),
                          model: str | None = None) -> None:
@@ -161,10 +156,26 @@ class Metrics:
         served model (None: the server's only one)."""
         model = model or self.model
         for tier in set(queued) | set(running):
-            self.waiting.labels(tier, model).set(queued.get(tier, 0))
-            self.running.labels(tier, model).set(running.get(tier, 0))
+            self.waiting.labels(tier.label, model).set(queued.get(tier, 0))
+            self.running.labels(tier.label, model).set(running.get(tier, 0))
         self.vllm.set_units(list(units), model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+
+
+class _IdleCollector:
+    def __init__(self, recorder, model: str):
+        self.recorder, self.model = recorder, model
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "tierserve_idle_cost_usd", "Machine cost of time with no step running (USD); "
+            "kind reserved: capacity held for the priority tier.", labels=["model", "kind"])
+        self.recorder.accrue()
+        totals = self.recorder.idle_totals() or {self.model: (0.0, 0.0)}
+        for model, (idle, held) in totals.items():
+            family.add_metric([model, "unreserved"], idle)
+            family.add_metric([model, "reserved"], held)
+        yield family

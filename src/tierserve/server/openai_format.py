@@ -4,14 +4,15 @@ import json
 import time
 import uuid
 
-from tierserve.engine.outputs import RequestOutput
+from tierserve.core.outputs import RequestOutput
+from tierserve.tiers import Tier
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: str | None = None) -> dict:
+def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: Tier | None = None) -> dict:
     """Prompt tokens count once per distinct prompt; timing is the slowest choice's."""
     per_prompt = len(outputs) // max(num_prompts, 1)
     firsts = outputs[::max(per_prompt, 1)]
@@ -41,7 +42,7 @@ def usage(outputs: list[RequestOutput], num_prompts: int = 1, tier: str | None =
     }
 
 
-def cost_fields(stats: list, tier: str) -> dict:
+def cost_fields(stats: list, tier: Tier) -> dict:
     """`usage.cost`, the charge in USD as a number (what OpenRouter's usage accounting and
     LiteLLM's `Usage.cost` read), and `usage.cost_details`, the machine cost behind it."""
     prefill = sum(s.cost.prefill_cost for s in stats if s.cost)
@@ -50,12 +51,12 @@ def cost_fields(stats: list, tier: str) -> dict:
     return {"cost": charge,
             "cost_details": {"prefill_usd": round(prefill, 12), "decode_usd": round(decode, 12),
                              "machine_usd": round(prefill + decode, 12), "charge_usd": charge,
-                             "currency": "USD", "served_tier": tier}}
+                             "currency": "USD", "served_tier": tier.label}}
 
 
-def cost_headers(outputs: list[RequestOutput], tier: str) -> dict:
+def cost_headers(outputs: list[RequestOutput], tier: Tier) -> dict:
     stats = [o.metrics for o in outputs if o.metrics is not None]
-    headers = {"x-tierserve-served-tier": tier}
+    headers = {"x-tierserve-served-tier": tier.label}
     if any(s.cost for s in stats):
         c = cost_fields(stats, tier)["cost_details"]
         headers.update({"x-tierserve-prefill-cost-usd": f"{c['prefill_usd']:.12f}",
@@ -88,7 +89,7 @@ def logprobs_object(kind: str, entries: list | None, token_ids: list[int],
             "text_offset": offsets}
 
 
-def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[RequestOutput],
+def completion_body(kind: str, rid: str, model: str, tier: Tier, outputs: list[RequestOutput],
                     num_prompts: int, echo: list[str] | None = None, tokenizer=None,
                     calls: list | None = None) -> dict:
     """`echo`: each prompt's text, put ahead of its choices' text (completions); `calls`:
@@ -114,11 +115,11 @@ def completion_body(kind: str, rid: str, model: str, tier: str, outputs: list[Re
                    for i, o in enumerate(outputs)]
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(outputs, num_prompts, tier), "service_tier": tier,
+            "choices": choices, "usage": usage(outputs, num_prompts, tier), "service_tier": tier.label,
             "system_fingerprint": None}
 
 
-def chunk(kind: str, rid: str, model: str, tier: str, index: int, text: str | None,
+def chunk(kind: str, rid: str, model: str, tier: Tier, index: int, text: str | None,
           finish_reason: str | None, first: bool = False, include_usage: bool = False,
           logprobs: dict | None = None, tool_calls: list | None = None) -> str:
     """`tool_calls`: a chat chunk carrying whole calls (index, id, type, function)."""
@@ -137,16 +138,16 @@ def chunk(kind: str, rid: str, model: str, tier: str, index: int, text: str | No
                   "finish_reason": finish_reason}
         obj = "text_completion"
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "service_tier": tier, "system_fingerprint": None}
+            "choices": [choice], "service_tier": tier.label, "system_fingerprint": None}
     if include_usage:
         body["usage"] = None
     return sse(body)
 
 
-def usage_chunk(kind: str, rid: str, model: str, tier: str, outputs, num_prompts: int) -> str:
+def usage_chunk(kind: str, rid: str, model: str, tier: Tier, outputs, num_prompts: int) -> str:
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     return sse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                "choices": [], "service_tier": tier, "system_fingerprint": None,
+                "choices": [], "service_tier": tier.label, "system_fingerprint": None,
                 "usage": usage(outputs, num_prompts, tier)})
 
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from tierserve.errors import InvalidRequestError
 from tierserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from tierserve.worker.grammar import GrammarSpec
+from tierserve.structured import GrammarSpec
 
 
 def _nothing(v: Any) -> bool:

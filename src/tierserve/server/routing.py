@@ -1,5 +1,8 @@
-"""Which served model, in which tier, answers a request: the model it names, or, for an
-alias of `routes:`, the first rule that matches it (route/rules.py).
+"""Which served model, in which tier, answers a request: the model it names in the tier
+it asks for, or, for an alias of `routes:`, the model and tier of the first rule that
+matches it (route/rules.py). The tier is parsed here, once, at the edge (`Tier`), and
+resolved against what the tenant may use (tiers.py's rule); below this every layer
+takes a `Tier`.
 
 The features rules look at are computed here, once, at the edge: the tier asked for, the
 tenant, the user turns, the prompt's tokens (counted with the tokenizer of the model the
@@ -13,14 +16,16 @@ from tierserve.route.rules import Features, Route
 from tierserve.router.backend import Chat
 from tierserve.server import tools
 from tierserve.server.protocol import ChatCompletionRequest
+from tierserve.tiers import Tier, resolve
 
 
 @dataclass
 class Choice:
     served: "object"
     """app.Served: the model's name, backend and admission."""
-    tier: str | None = None
-    """The tier the rule sends it to (None: the one the request asks for)."""
+    tier: Tier
+    """The tier it runs in: asked for or the rule's, as the tenant may use it (batch for
+    a batch line)."""
     route: str | None = None
     """`alias/rule` when an alias was called; None when a model was named."""
     score: float | None = None
@@ -29,6 +34,8 @@ class Choice:
     """route.rules.Escalation: the cascade's check and where a failed answer goes."""
     escalated_from: str | None = None
     """On the second attempt of a cascade: the model whose answer failed, and why."""
+    asked: Tier = Tier.DEFAULT
+    """The tier the request asked for (parsed, not yet resolved for the tenant)."""
 
     @property
     def header(self) -> str | None:
@@ -38,25 +45,39 @@ class Choice:
         return out + f"; escalated_from={self.escalated_from}" if self.escalated_from else out
 
 
-def choose(state, body, tenant) -> Choice:
+def choose(state, body, tenant, batch: bool = False) -> Choice:
+    """`batch`: a line of a batch job, which runs in the batch tier whatever it asks."""
+    asked = Tier.from_wire(body.service_tier)
     route = state.routes.get(body.model)
     if route is None:
-        return Choice(state.target(body.model))
-    f = features(state, route, body, tenant)
+        return Choice(state.target(body.model),
+                      Tier.BATCH if batch else state.tier_for(asked, tenant), asked=asked)
+    f = features(state, route, body, tenant, asked)
     scorer = state.classifier.score if state.classifier is not None else None
     rule = route.choose(f, scorer)
-    return Choice(state.target(rule.model), rule.tier, f"{route.alias}/{rule.name}", f.score,
-                  rule.escalate)
+    return Choice(state.target(rule.model),
+                  Tier.BATCH if batch else rule_tier(state, rule.tier, asked, tenant),
+                  f"{route.alias}/{rule.name}", f.score, rule.escalate, asked=asked)
 
 
-def escalation(state, choice: Choice, why: str) -> Choice:
+def rule_tier(state, tier: Tier | None, asked: Tier, tenant) -> Tier:
+    """A rule's tier as the tenant may use it (the nearest allowed, else the rule's);
+    a rule without one keeps the tier asked for."""
+    if tier is None:
+        return state.tier_for(asked, tenant)
+    return resolve(tier, tenant.allowed) or tier
+
+
+def escalation(state, choice: Choice, why: str, tenant) -> Choice:
     """The second attempt of a cascade."""
     esc = choice.escalate
-    return Choice(state.target(esc.model), esc.tier, choice.route, choice.score, None,
-                  f"{choice.served.name} ({why})")
+    tier = Tier.BATCH if choice.tier == Tier.BATCH else \
+        rule_tier(state, esc.tier, choice.asked, tenant)
+    return Choice(state.target(esc.model), tier, choice.route, choice.score, None,
+                  f"{choice.served.name} ({why})", choice.asked)
 
 
-def features(state, route: Route, body, tenant) -> Features:
+def features(state, route: Route, body, tenant, asked: Tier) -> Features:
     counter = state.target(route.rules[-1].model).backend
     if isinstance(body, ChatCompletionRequest):
         users = [m for m in body.messages if m.role == "user"]
@@ -72,8 +93,7 @@ def features(state, route: Route, body, tenant) -> Features:
         n = len(prompt)
     else:  # no tokenizer (a gateway without the model's files): about 4 bytes a token
         n = len(str(prompt).encode()) // 4
-    return Features(tier=body.service_tier if body.service_tier not in (None, "auto")
-                    else "default", tenant=tenant.name, turns=turns, prompt_tokens=n,
+    return Features(tier=asked, tenant=tenant.name, turns=turns, prompt_tokens=n,
                     max_tokens=body.max_completion_tokens if hasattr(
                         body, "max_completion_tokens") and body.max_completion_tokens
                     else body.max_tokens, tools=has_tools, last_user_message=last)

@@ -11,7 +11,7 @@ import sys
 
 from tierserve.errors import ConfigError, TierserveError
 
-DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "sim",
+DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "hardware",
                                    "profiles", "cpu", "smollm2-135m.json")
 """`tierserve calibrate` (the forward pass, as the engine meters by) of SmolLM2-135M on the
 2-core epyc-2c machine: how fleet mode splits a CPU replica's cost when no
@@ -112,7 +112,7 @@ def build(args):
         else default_model_name(args.model, args.load_format))
     add_models(settings, extra, name)
     if extra.get("schedule") is not None:
-        from tierserve.sim.schedule import parse_schedule
+        from tierserve.schedule import parse_schedule
         raw = extra["schedule"]  # the mapping itself, or the file plan --forecast wrote
         settings.schedule = parse_schedule(load_yaml(raw) if isinstance(raw, str) else raw)
     return settings, config, name
@@ -171,11 +171,11 @@ def build_fleet(settings, config, name: str, say):
     elif settings.hardware == "cpu-local":
         model = StepTimeModel.load(DEFAULT_CPU_PROFILE)
     else:
+        from tierserve.hardware.roofline import load_hardware, roofline
         from tierserve.model.metadata import default_model_path, resolve
-        from tierserve.sim.fleet import machine_for
 
-        shape = resolve(mc.model or default_model_path())
-        model = machine_for(shape, settings.hardware).model
+        model = roofline(resolve(mc.model or default_model_path()),
+                         load_hardware(settings.hardware))
     slo = tiers.slo.get("priority")
     flow = replace(settings.fleet, flex_max_wait_s=config.scheduler.flex_max_wait_s,
                    priority_ttft_s=settings.fleet.priority_ttft_s or (slo and slo.ttft_s),
@@ -186,7 +186,7 @@ def build_fleet(settings, config, name: str, say):
         from tierserve.model.metadata import default_model_path
         from tierserve.model.tokenizer import Tokenizer
 
-        tokenizer = Tokenizer.load(source or default_model_path())
+        tokenizer = Tokenizer.for_gateway(source or default_model_path())
     except Exception as exc:  # counting falls back to an estimate; said once, here
         if mc.tokenizer:
             raise ConfigError(f"cannot load the tokenizer {mc.tokenizer}: {exc}") from None

@@ -19,13 +19,14 @@ would then lock its own clients out.
 import ipaddress
 from dataclasses import dataclass, field
 
-from tierserve.core.request import TIER_NAMES, Owner
+from tierserve.core.request import Owner
 from tierserve.errors import ConfigError
 from tierserve.metering.prices import PriceList, machine_price
 from tierserve.metering.recorder import Budget
 from tierserve.router.flow import FlowConfig
 from tierserve.router.remote import ReplicaSpec
 from tierserve.server.limits import RateLimit
+from tierserve.tiers import TIER_NAMES, Tier
 
 TIERS = TIER_NAMES
 API_KEY_TENANT = "api-key"
@@ -43,6 +44,11 @@ class Tenant:
     cache_group: str | None = None
     """Tenants of one named group share cached prompt prefixes; None: the tenant's own
     cache, which no other tenant's request can hit."""
+
+    @property
+    def allowed(self) -> frozenset[Tier]:
+        """The tiers of `tiers`, parsed (tiers.resolve picks among them)."""
+        return frozenset(Tier.parse(t) for t in self.tiers)
 
     def owner(self, cache_salt: str | None = None) -> Owner:
         """The engine's view of a request of this tenant (`cache_salt`: the request's)."""
@@ -116,7 +122,7 @@ class ServerSettings:
     route_classifier: str | None = None
     """The trained router (`tierserve route train`) that `score_min` rules use."""
     schedule: object = None
-    """sim.schedule.Schedule applied live (server/capacity.py); None: static all day."""
+    """schedule.Schedule applied live (server/capacity.py); None: static all day."""
 
     @property
     def ledger_target(self) -> str | None:
@@ -204,7 +210,11 @@ class ServerSettings:
         prices = PriceList()
         for key, value in (raw or {}).items():
             if key == "tier_multipliers":
-                prices.tier_multipliers.update({str(t): float(m) for t, m in value.items()})
+                try:
+                    prices.tier_multipliers.update({Tier.parse(str(t)): float(m)
+                                                    for t, m in value.items()})
+                except ValueError as exc:
+                    raise ConfigError(f"prices.tier_multipliers: {exc}") from None
             elif key in ("input_per_m", "cached_input_per_m", "output_per_m"):
                 setattr(prices, key, float(value))
             else:
@@ -253,16 +263,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def resolve_tier(requested: str | None, tenant: Tenant) -> str | None:
-    """The tier a request runs in, by name: the requested one if allowed, else the nearest
-    allowed tier below it (cheaper), else the nearest above. None if the tenant has no
-    tier. `auto` (and no value) asks for `default`."""
-    want = "default" if requested in (None, "auto") else requested
-    if want in tenant.tiers:
-        return want
-    rank = TIERS.index(want)
-    below = [t for t in TIERS[rank + 1:] if t in tenant.tiers]
-    above = [t for t in reversed(TIERS[:rank]) if t in tenant.tiers]
-    return (below or above or [None])[0]

@@ -19,10 +19,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError, InvalidRequestError, NotFoundError
 from tierserve.metering.recorder import Budget
 from tierserve.server.limits import RateLimit
+from tierserve.tiers import TIER_NAMES
 
 
 def key_hash(key: str) -> str:

@@ -13,6 +13,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from tierserve.core.stats import RequestStats, StepStats, percentile
+from tierserve.tiers import Tier
 
 MAX_SAMPLES = 400
 """Latency samples kept per tier per bucket: enough for a p99 over the window."""
@@ -21,15 +22,15 @@ MAX_SAMPLES = 400
 @dataclass
 class Bucket:
     start: float
-    ttft: dict[str, list[float]] = field(default_factory=dict)
-    itl: dict[str, list[float]] = field(default_factory=dict)
+    ttft: dict[Tier, list[float]] = field(default_factory=dict)
+    itl: dict[Tier, list[float]] = field(default_factory=dict)
     prompt_tokens: int = 0
     output_tokens: int = 0
     """Tokens computed by engine steps (or, in fleet mode, by finished requests)."""
     prefill_cost: float = 0.0
     decode_cost: float = 0.0
-    waiting: dict[str, int] = field(default_factory=dict)
-    running: dict[str, int] = field(default_factory=dict)
+    waiting: dict[Tier, int] = field(default_factory=dict)
+    running: dict[Tier, int] = field(default_factory=dict)
     kv_usage: float | None = None
 
 
@@ -75,7 +76,7 @@ class Timeline:
                 b.prompt_tokens += s.num_prompt_tokens - s.num_cached_tokens
                 b.output_tokens += s.num_output_tokens
 
-    def sample(self, waiting: dict[str, int], running: dict[str, int],
+    def sample(self, waiting: dict[Tier, int], running: dict[Tier, int],
                kv_usage: float | None) -> None:
         with self._lock:
             b = self._current()
@@ -88,7 +89,7 @@ class Timeline:
             buckets = list(self.buckets)
             sizes = Counter(self.batch_sizes)
         tiers = sorted({t for b in buckets for t in (*b.ttft, *b.itl, *b.waiting, *b.running)})
-        out = {"t": [b.start for b in buckets], "tiers": tiers,
+        out = {"t": [b.start for b in buckets], "tiers": [t.label for t in tiers],
                "prompt_tps": [b.prompt_tokens / self.interval_s for b in buckets],
                "output_tps": [b.output_tokens / self.interval_s for b in buckets],
                "kv_usage": [b.kv_usage for b in buckets],
@@ -97,9 +98,10 @@ class Timeline:
                "batch_sizes": {str(k): v for k, v in sorted(sizes.items())}}
         for name in ("ttft", "itl"):
             for q in (50, 99):
-                out[f"{name}_p{q}"] = {t: self._windowed(buckets, name, t, q / 100)
+                out[f"{name}_p{q}"] = {t.label: self._windowed(buckets, name, t, q / 100)
                                        for t in tiers}
-        out["waiting_by_tier"] = {t: [b.waiting.get(t, 0) for b in buckets] for t in tiers}
+        out["waiting_by_tier"] = {t.label: [b.waiting.get(t, 0) for b in buckets]
+                                  for t in tiers}
         shares = []
         for i in range(len(buckets)):
             part = buckets[max(0, i - self.window + 1):i + 1]
@@ -108,7 +110,7 @@ class Timeline:
         out["prefill_share"] = shares
         return out
 
-    def _windowed(self, buckets: list[Bucket], name: str, tier: str, q: float) -> list:
+    def _windowed(self, buckets: list[Bucket], name: str, tier: Tier, q: float) -> list:
         values = []
         for i in range(len(buckets)):
             samples = [v for b in buckets[max(0, i - self.window + 1):i + 1]

@@ -7,8 +7,8 @@ NOTE: one way for every model and backend
     - the tools go into the system message as their JSON definitions, with the answer
       format: a JSON array of calls, [{"name": ..., "arguments": {...}}] (the system
       message the client gave comes first, then this);
-    - `required` and a named choice are enforced by the grammar (worker/grammar.py), so
-      the calls always parse and their arguments always validate against the tool's
+    - `required` and a named choice are enforced by a grammar (structured.py states it,
+      worker/grammar.py compiles it), so the calls always parse and their arguments always validate against the tool's
       parameters; `auto` lets the model choose, and an answer that parses as calls to the
       given tools is taken as calls; `none` sends no tools;
     - history: an assistant message's `tool_calls` are written back in the same JSON
@@ -22,7 +22,7 @@ import json
 import uuid
 
 from tierserve.errors import InvalidRequestError
-from tierserve.worker.grammar import GrammarSpec, tool_calls_schema
+from tierserve.structured import GrammarSpec, tool_calls_schema
 
 INSTRUCTIONS = (
     "You can call functions. To call one or more, answer with only a JSON array of calls, "

@@ -4,8 +4,8 @@ fast-vs-batch`) and `tierserve plan` (the capacity planner built on it)."""
 import sys
 import time
 
-from tierserve.core.request import TIER_NAMES as TIERS
 from tierserve.errors import TierserveError
+from tierserve.tiers import TIER_NAMES as TIERS
 
 BATCH_SIZES = "1,2,4,8,16,32,64,128,256"
 # `plan` grid defaults (deployments, max_num_seqs, budgets): one workload, or every hour

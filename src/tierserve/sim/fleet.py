@@ -50,7 +50,7 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
     step-time model (or a calibrated profile, cpu-local) and a KV pool of what the memory
     holds after the weights (or `num_kv_blocks`)."""
     from tierserve.metering.prices import machine_price
-    from tierserve.sim.step_time import load_hardware, roofline
+    from tierserve.hardware.roofline import load_hardware, roofline
 
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")

@@ -1,4 +1,4 @@
-"""`tierserve plan --forecast`: an hour-by-hour schedule (sim/schedule.py), each hour
+"""`tierserve plan --forecast`: an hour-by-hour schedule (schedule.py), each hour
 searched with the simulator at that hour's forecast traffic.
 
 NOTE: the search for one hour
@@ -52,8 +52,8 @@ import time
 from dataclasses import dataclass, replace
 
 from tierserve.errors import ConfigError
+from tierserve.schedule import HourPlan, Schedule
 from tierserve.sim.plan import Cell, Planner
-from tierserve.sim.schedule import HourPlan, Schedule
 from tierserve.sim.workload import SimRequest
 
 INTERACTIVE = ("priority", "default", "flex")
@@ -325,7 +325,7 @@ class HourlyPlanner:
 
 def render(schedule: Schedule, price_per_hour: float, searches: tuple[int, int],
            simulations: int, wall_s: float) -> str:
-    from tierserve.sim.report import table
+    from tierserve.tables import table
 
     lines = [f"schedule for {len(schedule.hours)} hours on {schedule.hardware} "
              f"({schedule.deployment}), pre-warm {schedule.prewarm_s / 60:g} min; "
@@ -351,7 +351,7 @@ def run(args, planner: Planner, cells: list[Cell]) -> int:
     """`plan --forecast FILE`: plan, print, and write `--out`."""
     from tierserve.forecast.cli import read_forecast
     from tierserve.sim.fleet import step_time_limit
-    from tierserve.sim.schedule import save_schedule
+    from tierserve.schedule import save_schedule
 
     doc = read_forecast(args.forecast)
     try:

@@ -28,10 +28,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from tierserve.config import SchedulerConfig
+from tierserve.core.accounting import Accounting
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.clock import ManualClock
 from tierserve.core.engine_core import EngineCore
-from tierserve.core.request import Request, Tier
+from tierserve.core.request import Request
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from tierserve.core.stats import RequestStats
 from tierserve.core.step_time import StepTimeModel
@@ -39,6 +40,7 @@ from tierserve.errors import ConfigError
 from tierserve.metering.cost import CostMeter
 from tierserve.router.flow import FlowConfig, Gateway, Pending, ReplicaState, prefix_keys
 from tierserve.sim.workload import ClosedLoop, SimRequest
+from tierserve.tiers import Tier
 
 STEP_DONE, ARRIVAL, WAKE = 0, 1, 2
 WAKE_SLACK_S = 1e-6  # wake just after the guard has run out
@@ -99,9 +101,9 @@ class Replica:
         self.max_model_len = max_model_len
         self.meter = CostMeter(price_per_hour, work_model=plan_model,
                                reserved_fraction=reserved_fraction)
-        self.core.metering = self.meter
+        self.core.accounting.metering = self.meter
         if tiers is not None and len(tiers) == 1:
-            self.core.dedicated_tier = Tier.parse(next(iter(tiers)))
+            self.core.dedicate(Tier.parse(next(iter(tiers))))
         self.busy = False
         self.stalled = False
         """It planned an empty step with work waiting and got a wake-up event."""
@@ -171,6 +173,8 @@ class Simulator:
         self.gateway: Gateway | None = None
         self._held: dict[str, tuple[Request, Tier, Pending]] = {}
         """Requests the gateway holds or has sent: what a replica gets, and its Pending."""
+        self._gateway_accounting = Accounting()
+        """Requests the gateway refused (they reach no replica), as fleet mode's are."""
         self._changed = False
         self._closed: ClosedLoop | None = None
         self.progress = progress
@@ -256,7 +260,7 @@ class Simulator:
         self._admit(replica, request, asked)
 
     def _admit(self, replica: Replica, request: Request, asked: Tier) -> None:
-        request.tier = replica.core.served_tier(asked)
+        request.tier = replica.core.tier_map[asked]
         replica.add(request, asked)
 
     def _release(self) -> None:
@@ -273,11 +277,10 @@ class Simulator:
             self._admit(self._by_name[state.name], request, asked)
         for pending in refused:  # never reached a replica
             request, asked, _ = self._held.pop(pending.request_id)
-            stats = RequestStats(request.request_id, request.arrival_time, tier=asked.label,
-                                 served_tier=asked.label,
-                                 num_prompt_tokens=request.num_prompt_tokens,
-                                 finished_time=now, finish_reason="refused")
-            self._done.append(stats)
+            self._gateway_accounting.start(request.request_id, request.arrival_time, asked,
+                                           asked, request.num_prompt_tokens)
+            self._done.append(self._gateway_accounting.finish(request.request_id, now,
+                                                              "refused"))
             self._next_of_user(request.request_id, now)
 
     def _start_step(self, replica: Replica) -> None:

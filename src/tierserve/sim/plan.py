@@ -28,11 +28,12 @@ from dataclasses import asdict, dataclass, replace
 
 from tierserve.config import SchedulerConfig
 from tierserve.errors import ConfigError
+from tierserve.hardware.roofline import load_hardware
 from tierserve.sim.fleet import FleetConfig, Machine, machine_for, make_simulator, \
     step_time_limit
-from tierserve.sim.report import summarize, table
-from tierserve.sim.step_time import load_hardware
+from tierserve.sim.report import summarize
 from tierserve.sim.workload import with_priority_fraction
+from tierserve.tables import table
 
 
 @dataclass(frozen=True)

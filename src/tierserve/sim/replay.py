@@ -36,10 +36,12 @@ import time
 from dataclasses import dataclass, field, replace
 
 from tierserve.config import SchedulerConfig
+from tierserve.schedule import HourPlan, Schedule
 from tierserve.sim.fleet import FleetConfig, Machine, make_simulator, step_time_limit
-from tierserve.sim.report import summarize, table
-from tierserve.sim.schedule import HourPlan, Schedule
+from tierserve.sim.report import summarize
 from tierserve.sim.weekly import HOUR_S, WeeklyProfile
+from tierserve.tables import table
+from tierserve.tiers import Tier
 
 RATE_STEP = 0.1
 
@@ -145,7 +147,7 @@ class Replay:
         met = {t: tiers[t]["slo_attainment"] for t in self.slo if t in tiers}
         interactive = sum(r.tier != "batch" for r in workload)
         share = {t: tiers[t]["requests"] / interactive for t in met}
-        batch = [r for r in result.requests if r.tier == "batch"]
+        batch = [r for r in result.requests if r.tier == Tier.BATCH]
         started = sum(r.first_scheduled_time is not None
                       and r.first_scheduled_time <= self.window_s for r in batch)
         return met, share, started / len(batch) if batch else 1.0
@@ -264,7 +266,7 @@ def run(args) -> int:
     from tierserve.sim.fleet import machine_for
     from tierserve.sim.hourly import HourlyPlanner
     from tierserve.sim.plan import Cell, Planner
-    from tierserve.sim.schedule import load_schedule
+    from tierserve.schedule import load_schedule
     from tierserve.sim.weekly import parse_weekly
 
     schedule = load_schedule(args.schedule)

@@ -3,10 +3,11 @@ its plots; and the fast-vs-batch report."""
 
 import json
 
-from tierserve.core.request import TIER_NAMES as TIER_ORDER
 from tierserve.core.stats import percentile as pct
 from tierserve.metering.prices import PriceList
 from tierserve.sim.loop import SimResult
+from tierserve.tables import table
+from tierserve.tiers import Tier
 
 
 def summarize(result: SimResult, slo: dict | None = None,
@@ -16,16 +17,16 @@ def summarize(result: SimResult, slo: dict | None = None,
     reqs, span = result.requests, max(result.makespan_s, 1e-9)
     meter = result.meter
     tiers, good = {}, 0
-    for tier in TIER_ORDER:
+    for tier in Tier:
         rs = [r for r in reqs if r.tier == tier]
         if not rs:
             continue
         out_tokens = sum(r.num_output_tokens for r in rs)
         cost = sum(r.cost.machine_cost for r in rs if r.cost)
-        ttft_slo, tpot_slo = slo.get(tier, (None, None))
+        ttft_slo, tpot_slo = slo.get(tier.label, (None, None))
         met = sum(1 for r in rs if r.meets(ttft_slo, tpot_slo))
         good += met
-        tiers[tier] = {
+        tiers[tier.label] = {
             "requests": len(rs), "refused": sum(r.finish_reason == "refused" for r in rs),
             "ttft_p50_s": pct([r.ttft_s for r in rs], 0.5),
             "ttft_p90_s": pct([r.ttft_s for r in rs], 0.9),
@@ -34,7 +35,7 @@ def summarize(result: SimResult, slo: dict | None = None,
             "tpot_p99_s": pct([r.tpot_s for r in rs], 0.99),
             "e2e_p50_s": pct([r.e2e_s for r in rs], 0.5),
             "e2e_p99_s": pct([r.e2e_s for r in rs], 0.99),
-            "slo_attainment": met / len(rs) if tier in slo else None,
+            "slo_attainment": met / len(rs) if tier.label in slo else None,
             "output_tokens": out_tokens, "machine_cost": cost,
             "cost_per_1m_output": 1e6 * cost / out_tokens if out_tokens else None,
             "charge": sum(prices.charge(tier, r.num_prompt_tokens, r.num_cached_tokens,
@@ -101,14 +102,6 @@ def _ms(v) -> str:
     return "-" if v is None else f"{v * 1e3:.0f}"
 
 
-def table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
-    """Left-aligned columns, two spaces apart."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(head)]
-    return ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
-            for r in [head, *rows]]
-
-
 # ------------------------------------------------------------------ plots
 def plot(result: SimResult, summary: dict, directory: str) -> list[str]:
     """latency_cdf.png (TTFT and e2e CDFs per tier) and cost_split.png (prefill and
@@ -125,7 +118,7 @@ def plot(result: SimResult, summary: dict, directory: str) -> list[str]:
     for ax, metric, label in ((axes[0], "ttft_s", "time to first token (s)"),
                               (axes[1], "e2e_s", "end-to-end latency (s)")):
         for tier in summary["tiers"]:
-            values = sorted(v for r in result.requests if r.tier == tier
+            values = sorted(v for r in result.requests if r.tier.label == tier
                             for v in [getattr(r, metric)] if v is not None)
             if values:
                 ax.step(values, [(i + 1) / len(values) for i in range(len(values))],
@@ -144,9 +137,9 @@ def plot(result: SimResult, summary: dict, directory: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     tiers = list(summary["tiers"])
-    prefill = [sum(r.cost.prefill_cost for r in result.requests if r.tier == t and r.cost)
+    prefill = [sum(r.cost.prefill_cost for r in result.requests if r.tier.label == t and r.cost)
                for t in tiers]
-    decode = [sum(r.cost.decode_cost for r in result.requests if r.tier == t and r.cost)
+    decode = [sum(r.cost.decode_cost for r in result.requests if r.tier.label == t and r.cost)
               for t in tiers]
     b = summary["bill"]
     ax.bar(tiers, prefill, color="tab:orange", label="prefill")

@@ -45,8 +45,8 @@ from pathlib import Path
 
 import yaml
 
-from tierserve.core.request import TIER_NAMES
 from tierserve.errors import ConfigError
+from tierserve.tiers import TIER_NAMES
 
 VERSION = 1
 POOLS = {"shared": ("main",), "dedicated": ("fast", "main")}

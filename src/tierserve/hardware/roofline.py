@@ -3,7 +3,7 @@
 NOTE: the roofline
     A step streams the weights once, reads each decode's KV cache, and does the linear
     layers' FLOPs per token plus 4 x layers x hidden FLOPs per query-key pair. Each linear
-    layer's time follows the GPU's GEMM curve (sim/opfit.py: a smooth maximum of compute
+    layer's time follows the GPU's GEMM curve (hardware/opfit.py: a smooth maximum of compute
     and memory time plus a launch cost, fitted to measured operator timings), which bends
     at a knee of a few hundred tokens. The scheduler and cost meter need the linear form
     of a StepTimeModel, so the layers' curve is replaced by the line closest to it in
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tierserve.core.step_time import StepTimeModel
 from tierserve.errors import ConfigError
-from tierserve.sim.opfit import Gemm, GemmCurve, layer_gemms, linearize
+from tierserve.hardware.opfit import Gemm, GemmCurve, layer_gemms, linearize
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 REF_TOKENS = 2048
