@@ -11,6 +11,7 @@ from tierserve.core.block_manager import BlockManager
 from tierserve.core.request import Request, RequestStatus
 from tierserve.core.scheduler import SchedulerOutput
 from tierserve.core.step_time import StepTimeModel
+from tierserve.core.tier_rules import victim
 from tierserve.tiers import Tier
 
 P, D, F, B = Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX, Tier.BATCH
@@ -69,11 +70,11 @@ def test_victim_is_lowest_tier_then_fewest_computed_tokens():
     for r in (d_long, d_short, f):
         s.add_request(r)
     step(s)
-    victim = s._choose_victim(make_requests(1, start=5, tier=P)[0], waiting=True)
-    assert victim is f  # flex goes first, although it computed more than d_short
+    chosen = victim(s.policy, make_requests(1, start=5, tier=P)[0], s.running, waiting=True)
+    assert chosen is f  # flex goes first, although it computed more than d_short
     s.finish_request(f.request_id, RequestStatus.FINISHED_ABORTED)
-    victim = s._choose_victim(make_requests(1, start=5, tier=P)[0], waiting=True)
-    assert victim is d_short  # same tier: least progress lost
+    chosen = victim(s.policy, make_requests(1, start=5, tier=P)[0], s.running, waiting=True)
+    assert chosen is d_short  # same tier: least progress lost
     assert d_short.num_computed_tokens < d_long.num_computed_tokens
 
 

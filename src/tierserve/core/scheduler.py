@@ -46,15 +46,18 @@ NOTE: the step-time cap (tiered)
     long prompt's prefill chunks do not stall every stream in flight; where the decodes
     alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time.
 
-Why one file of about 570 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 550 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
 the next request may take), so they share the `_Step` state and read best side by side;
 the step's update shares the queues and the block manager's invariants, checked together.
-The policies (core/policy.py) and the step-time model (core/step_time.py) live apart.
+The policies (core/policy.py), the step-time model (core/step_time.py) and the tier rules
+that do not depend on this scheduler's queues (core/tier_rules.py: which cap, its ratio
+and floor, the rules by the clock, the victim), which the vLLM plugin applies too, live
+apart.
 """
 
 import heapq
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from tierserve.config import SchedulerConfig
@@ -63,18 +66,8 @@ from tierserve.core.fair import FairShare
 from tierserve.core.policy import SchedulingPolicy, make_policy
 from tierserve.core.request import Request, RequestStatus
 from tierserve.core.step_time import EPS_S, StepTimeModel
+from tierserve.core.tier_rules import StepCaps, TierClock, victim
 from tierserve.tiers import Tier
-
-DECODE_CAP_FLOOR = 2
-"""The decode cap never cuts a step below this many times the predicted time of its
-decodes alone: with many streams those alone can fill the cap, and waiting prompts would
-get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p50 5.8 s at
-381 tok/s). At 2 a prompt gets at most as much of a step as the streams do."""
-DECODE_CAP_FACTOR = 4
-"""The decode cap's default, in priority caps. Measured on SmolLM2-135M bf16, 2-core EPYC
-(docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no cap
-387/465 tok/s with inter-token p99 301/410 ms; 2x 307/403 tok/s, 100/112 ms; 4x (0.15 s)
-368/412 tok/s, 162/184 ms. 4x keeps most of the throughput and halves the p99."""
 
 
 @dataclass
@@ -135,7 +128,7 @@ class _Step:
     """What one `schedule()` call has handed out so far."""
 
     budget: int
-    time_limit_s: float | None
+    time_limit_s: float | None = None
     """Predicted-time cap of this step, or None."""
     time_s: float = 0.0
     pending_decode_s: float = 0.0
@@ -163,24 +156,18 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy)
         self.step_time_model = step_time_model
         self.step_time_limit_s = step_time_limit_s
-        self._decode_cap_on = False
+        self.caps = StepCaps()
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple, int, Request]] = []  # heap by policy key
         self._num_waiting = 0
         self._arrivals = 0
-        self._flex_queue: deque[Request] = deque()  # arrival order, for the wait limit
-        self._default_queue: deque[Request] = deque()  # arrival order, for aging
+        self._clock_rules = TierClock()  # flex and default in arrival order
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.recomputed_tokens_by_tier: Counter[Tier] = Counter()
         self.preemptions_by_tier: Counter[Tier] = Counter()
         self._num_priority = 0  # priority-tier requests in the engine
-        self._priority_seen_at = float("-inf")
-        self._last_step_for_priority = False
-        self.step_time_ratio = 1.0
-        """Measured over predicted step time, smoothed: the cap is divided by it, so it
-        holds in measured time even where the fitted model is off."""
         self.max_len_lower = max_model_len
         """Longest prompt + output of a lower-tier request: what the blocks outside the
         priority reserve hold (more could never be allocated: it would wait forever)."""
@@ -194,6 +181,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return self._num_waiting
+
+    @property
+    def step_time_ratio(self) -> float:
+        """Measured over predicted time of the steps the cap sized (core/tier_rules.py)."""
+        return self.caps.ratio
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -211,10 +203,8 @@ class Scheduler:
             self._num_waiting += 1
             return
         self._push_waiting(request)
-        if self.policy.tiered and request.tier == Tier.FLEX:
-            self._flex_queue.append(request)
-        if self.policy.tiered and request.tier == Tier.DEFAULT:
-            self._default_queue.append(request)
+        if self.policy.tiered:
+            self._clock_rules.add(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """End a request now (abort, stop string, refusal). Frees its blocks at once."""
@@ -242,21 +232,18 @@ class Scheduler:
                 refused.append(request)
         if self.policy.tiered:
             self._age_default(now)
-        step = _Step(self.config.max_num_batched_tokens, self._time_limit_s(now))
-        step.decodes_only_cap = self._decode_cap_on
+        step = _Step(self.config.max_num_batched_tokens)
+        step.time_limit_s, step.decodes_only_cap = self._time_limit_s(now)
         step.batch_prefill = self.config.batch_prefill_tokens if self.policy.tiered else 0
         step.batch_prefill = step.batch_prefill or step.budget
         if step.time_limit_s is not None:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = self._pending_decode_s()
             if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps
-                floor = DECODE_CAP_FLOOR * (step.time_s + step.pending_decode_s)
-                step.time_limit_s = max(step.time_limit_s, floor)  # the model's own units
-            starting = self._num_priority > sum(
-                r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running)
-            # Every other step at most, so lower tiers keep at least half their pace.
-            step.priority_starting = starting and not self._last_step_for_priority
-            self._last_step_for_priority = step.priority_starting
+                step.time_limit_s = self.caps.floor_s(step.time_limit_s,
+                                                      step.time_s + step.pending_decode_s)
+            step.priority_starting = self.caps.starting(self._num_priority > sum(
+                r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running))
         self._schedule_running(step)
         self._schedule_waiting(step)
         out = SchedulerOutput(
@@ -274,9 +261,7 @@ class Scheduler:
         steps whose prefill the cap sized count: the model's error differs between
         decode-only steps and mixed ones (0.9-1.1 against up to 1.3 for a 4-bit model at
         16 and 64 streams), and the cap only ever cuts the mixed ones."""
-        if out.capped and out.predicted_s:
-            ratio = min(max(measured_s / out.predicted_s, 0.5), 2.0)
-            self.step_time_ratio += 0.2 * (ratio - self.step_time_ratio)
+        self.caps.observe(out.predicted_s, measured_s, out.capped)
 
     def _schedule_running(self, step: _Step) -> None:
         for request in sorted(self.running, key=self.policy.key):
@@ -320,25 +305,16 @@ class Scheduler:
     # ------------------------------------------------- budget, cap, blocks
     @property
     def decode_time_limit_s(self) -> float | None:
-        """The cap of steps that carry decodes while the priority cap is off
-        (SchedulerConfig.decode_step_time_s; by default four times the priority cap: see DECODE_CAP_FACTOR)."""
-        explicit = self.config.decode_step_time_s
-        if explicit is None:
-            return DECODE_CAP_FACTOR * self.step_time_limit_s if self.step_time_limit_s else None
-        return explicit or None
+        """The cap of steps that carry decodes while the priority cap is off."""
+        return StepCaps.decode_limit_s(self.config, self.step_time_limit_s)
 
-    def _time_limit_s(self, now: float) -> float | None:
+    def _time_limit_s(self, now: float) -> tuple[float | None, bool]:
+        """This step's cap (model seconds) and whether it is the decode cap."""
         if not (self.policy.tiered and self.step_time_model and self.step_time_limit_s):
-            return None
-        if self._num_priority:
-            self._priority_seen_at = now
-        self._decode_cap_on = False
-        if now - self._priority_seen_at <= self.config.priority_guard_s:
-            return self.step_time_limit_s / self.step_time_ratio
-        if self.decode_time_limit_s and any(map(self._is_decoding, self.running)):
-            self._decode_cap_on = True
-            return self.decode_time_limit_s / self.step_time_ratio
-        return None
+            return None, False
+        return self.caps.limit_s(now, self.config, self.step_time_limit_s,
+                                 self._num_priority > 0,
+                                 any(map(self._is_decoding, self.running)))
 
     def _fit(self, request: Request, want: int, step: _Step, start: int | None = None) -> int:
         """How many of `want` tokens, computed from position `start` (default: what is
@@ -383,10 +359,10 @@ class Scheduler:
         if self.policy.tiered and request.tier != Tier.PRIORITY:
             limit -= self.config.reserved_priority_seqs
         while len(self.running) >= limit:
-            victim = self._choose_victim(request, waiting=True)
-            if victim is None:
+            chosen = victim(self.policy, request, self.running, waiting=True)
+            if chosen is None:
                 return False
-            self._preempt(victim, step)
+            self._preempt(chosen, step)
         return True
 
     def _allocate(self, request: Request, num_new: int, step: _Step,
@@ -398,28 +374,13 @@ class Scheduler:
         if self.policy.tiered and request.tier != Tier.PRIORITY:
             reserve = self.config.reserved_priority_blocks
         while not self.block_manager.allocate_slots(request, num_new, hit_blocks, reserve):
-            victim = self._choose_victim(request, waiting)
-            if victim is None:
+            chosen = victim(self.policy, request, self.running, waiting)
+            if chosen is None:
                 return False
-            self._preempt(victim, step)
-            if victim is request:
+            self._preempt(chosen, step)
+            if chosen is request:
                 return False
         return True
-
-    def _choose_victim(self, request: Request, waiting: bool) -> Request | None:
-        """Running requests `request` may preempt: a worse rank, or (for a running request)
-        the same rank, itself included; never a better tier. A waiting request preempts
-        only under `tiered`, and only if it is a priority request."""
-        rank = self.policy.rank(request)
-        tiered = self.policy.tiered
-        if waiting:
-            if not (tiered and request.tier == Tier.PRIORITY):
-                return None
-            candidates = [r for r in self.running if self.policy.rank(r) > rank]
-        else:
-            candidates = [r for r in self.running if self.policy.rank(r) >= rank
-                          and (not tiered or r.tier >= request.tier)]
-        return max(candidates, key=self.policy.victim_key, default=None)
 
     def _preempt(self, request: Request, step: _Step) -> None:
         if request in step.scheduled:  # placed earlier in this step: give its share back
@@ -461,31 +422,14 @@ class Scheduler:
 
     # ------------------------------------------------ tiers by the clock
     def _refuse_overdue_flex(self, now: float) -> list[Request]:
-        refused, queue = [], self._flex_queue
-        while queue:
-            request = queue[0]
-            if request.is_finished or request.num_cached_tokens >= 0:
-                queue.popleft()  # finished or started: no longer subject to the limit
-            elif now - request.arrival_time > self.config.flex_max_wait_s:
-                queue.popleft()
-                self.finish_request(request.request_id, RequestStatus.FINISHED_REFUSED)
-                refused.append(request)
-            else:
-                break
+        refused = self._clock_rules.overdue(now, self.config.flex_max_wait_s)
+        for request in refused:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_REFUSED)
         return refused
 
     def _age_default(self, now: float) -> None:
-        queue = self._default_queue
-        while queue:
-            request = queue[0]
-            if request.is_finished or request.num_cached_tokens >= 0:
-                queue.popleft()
-            elif now - request.arrival_time >= self.config.default_aging_s:
-                queue.popleft()
-                request.rank = int(Tier.PRIORITY)
-                self._push_waiting(request, again=True)  # the old heap entry goes stale
-            else:
-                break
+        for request in self._clock_rules.aged(now, self.config.default_aging_s):
+            self._push_waiting(request, again=True)  # the old heap entry goes stale
 
     def _describe(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens

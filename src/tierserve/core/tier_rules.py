@@ -1,0 +1,157 @@
+"""The tiered policy's rules that do not depend on how a scheduler keeps its queues,
+stated once for both schedulers that apply them: tierserve's own (core/scheduler.py) and
+the one inside vLLM (tierserve/vllm/scheduler.py, an adapter over vLLM's).
+
+  StepCaps    which step-time cap a step gets now (the priority cap while priority is
+              about and for `priority_guard_s` after, else the decode cap while anyone
+              decodes, else none), its floor, the measured/predicted ratio that keeps
+              it honest, and the every-other-step rule for a priority request's first
+              token (the NOTE on the cap in core/scheduler.py says why each is so);
+  TierClock   the rules by the clock: a flex request not started within
+              `flex_max_wait_s` is refused, a default one waiting `default_aging_s` is
+              ranked with priority;
+  victim      which running request a request may preempt.
+
+Plain Python over core.request.Request (the vLLM adapter keeps one per vLLM request).
+"""
+
+from collections import deque
+
+from tierserve.config import SchedulerConfig
+from tierserve.core.policy import SchedulingPolicy
+from tierserve.core.request import Request
+from tierserve.tiers import Tier
+
+DECODE_CAP_FLOOR = 2
+"""The decode cap never cuts a step below this many times the predicted time of its
+decodes alone: with many streams those alone can fill the cap, and waiting prompts would
+get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p50 5.8 s at
+381 tok/s). At 2 a prompt gets at most as much of a step as the streams do."""
+DECODE_CAP_FACTOR = 4
+"""The decode cap's default, in priority caps. Measured on SmolLM2-135M bf16, 2-core EPYC
+(docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no cap
+387/465 tok/s with inter-token p99 301/410 ms; 2x 307/403 tok/s, 100/112 ms; 4x (0.15 s)
+368/412 tok/s, 162/184 ms. 4x keeps most of the throughput and halves the p99."""
+RATIO_SMOOTHING = 0.2
+RATIO_BOUNDS = (0.5, 2.0)
+
+
+class StepCaps:
+    def __init__(self):
+        self.ratio = 1.0
+        """Measured over predicted step time, smoothed: the cap is divided by it, so it
+        holds in measured time even where the fitted model is off."""
+        self._priority_seen_at = float("-inf")
+        self._last_for_priority = False
+
+    @staticmethod
+    def decode_limit_s(config: SchedulerConfig, priority_limit_s: float | None) -> float | None:
+        """The cap of steps that carry decodes while the priority cap is off
+        (`decode_step_time_s`; by default DECODE_CAP_FACTOR priority caps; 0: off)."""
+        explicit = config.decode_step_time_s
+        if explicit is None:
+            return DECODE_CAP_FACTOR * priority_limit_s if priority_limit_s else None
+        return explicit or None
+
+    def limit_s(self, now: float, config: SchedulerConfig, priority_limit_s: float | None,
+                priority_about: bool, any_decoding: bool) -> tuple[float | None, bool]:
+        """(this step's cap in the model's seconds, whether it is the decode cap) or
+        (None, False). `priority_about`: a priority request is in the scheduler."""
+        if priority_about:
+            self._priority_seen_at = now
+        if now - self._priority_seen_at <= config.priority_guard_s:
+            return priority_limit_s / self.ratio, False
+        decode = self.decode_limit_s(config, priority_limit_s)
+        if decode and any_decoding:
+            return decode / self.ratio, True
+        return None, False
+
+    @staticmethod
+    def floor_s(limit_s: float, fixed_and_decodes_s: float) -> float:
+        """The decode cap, never below DECODE_CAP_FLOOR times the step's fixed time and
+        its decodes' own (the model's units)."""
+        return max(limit_s, DECODE_CAP_FLOOR * fixed_and_decodes_s)
+
+    def starting(self, priority_needs_first_token: bool) -> bool:
+        """Whether this step is one that gives a priority request its first token and
+        nothing of the lower tiers: when one waits for it, every other step at most, so
+        lower tiers keep at least half their pace under a stream of priority arrivals."""
+        starting = priority_needs_first_token and not self._last_for_priority
+        self._last_for_priority = starting
+        return starting
+
+    def observe(self, predicted_s: float | None, measured_s: float, capped: bool) -> None:
+        """Feed back a step's measured time. Only steps whose prefill the cap sized
+        count: the model's error differs between decode-only steps and mixed ones (0.9-1.1
+        against up to 1.3 for a 4-bit model at 16 and 64 streams), and the cap only ever
+        cuts the mixed ones."""
+        if capped and predicted_s:
+            low, high = RATIO_BOUNDS
+            ratio = min(max(measured_s / predicted_s, low), high)
+            self.ratio += RATIO_SMOOTHING * (ratio - self.ratio)
+
+
+class TierClock:
+    """Flex and default requests in arrival order, for the rules by the clock. A request
+    counts as started once `num_cached_tokens >= 0` (set at its first scheduling)."""
+
+    def __init__(self):
+        self._flex: deque[Request] = deque()
+        self._default: deque[Request] = deque()
+
+    def add(self, request: Request) -> None:
+        if request.tier == Tier.FLEX:
+            self._flex.append(request)
+        elif request.tier == Tier.DEFAULT:
+            self._default.append(request)
+
+    @staticmethod
+    def _settled(request: Request) -> bool:
+        return request.is_finished or request.num_cached_tokens >= 0
+
+    def overdue(self, now: float, max_wait_s: float) -> list[Request]:
+        """Flex requests not started within `max_wait_s` (forgotten here): the caller
+        refuses them."""
+        out, queue = [], self._flex
+        while queue:
+            request = queue[0]
+            if self._settled(request):
+                queue.popleft()
+            elif now - request.arrival_time > max_wait_s:
+                out.append(queue.popleft())
+            else:
+                break
+        return out
+
+    def aged(self, now: float, aging_s: float) -> list[Request]:
+        """Default requests waiting `aging_s` or more, now ranked with priority (forgotten
+        here): the caller re-keys them in its queue."""
+        out, queue = [], self._default
+        while queue:
+            request = queue[0]
+            if self._settled(request):
+                queue.popleft()
+            elif now - request.arrival_time >= aging_s:
+                request.rank = int(Tier.PRIORITY)
+                out.append(queue.popleft())
+            else:
+                break
+        return out
+
+
+def victim(policy: SchedulingPolicy, request: Request, running, waiting: bool
+           ) -> Request | None:
+    """The running request `request` may preempt, if any: a worse rank, or (for a running
+    request) the same rank, itself included; never a better tier. A waiting request
+    preempts only under `tiered`, and only if it is a priority request (so two of one
+    tier never take turns preempting each other). Among those: the policy's largest
+    `victim_key`."""
+    rank = policy.rank(request)
+    if waiting:
+        if not (policy.tiered and request.tier == Tier.PRIORITY):
+            return None
+        candidates = [r for r in running if policy.rank(r) > rank]
+    else:
+        candidates = [r for r in running if policy.rank(r) >= rank
+                      and (not policy.tiered or r.tier >= request.tier)]
+    return max(candidates, key=policy.victim_key, default=None)
