@@ -27,6 +27,13 @@ NOTE: how it is fed
     events (scheduled on a replica, tokens, left it) drive that replica's meter, and a
     request's cost is the sum over its attempts; when it finishes, the recorder charges
     and records it exactly as an engine's.
+
+NOTE: exact costs replace the estimate
+    A replica that meters itself (tierserve, or vLLM with tierserve's plugin) reports
+    each request's exact cost. Its last attempt is then billed at that figure instead of
+    the estimate, and the difference moves to that replica's idle cost (the estimate had
+    split the same machine time otherwise), so per replica requests + idle still equal
+    the machine cost; the pair (estimate, exact) is kept to say how good the estimate is.
 """
 
 from collections import defaultdict, deque
@@ -34,7 +41,7 @@ from dataclasses import dataclass
 
 from tierserve.core.stats import Bill, Metering, RequestCost
 from tierserve.core.step_time import StepTimeModel
-from tierserve.metering.cost import CostMeter
+from tierserve.metering.cost import CostMeter, IdleInterval
 
 MIN_INTERVAL_S = 0.002
 """Events closer than this belong to one step: a replica's chunks for a whole batch
@@ -146,6 +153,17 @@ class ReplicaMeter(CostMeter):
         self._cluster_end = None
         self._firsts.clear()
 
+    def reattribute(self, estimate: float, exact: float) -> None:
+        """A request's estimated cost was replaced by the exact one its replica reported:
+        the difference moves to idle, so requests + idle still equal the machine cost."""
+        delta = estimate - exact
+        self.attributed -= delta
+        self.idle_cost += delta
+        at = self._last_end if self._last_end is not None else 0.0
+        if self._idle is None:
+            self._idle = IdleInterval(at, at, 0.0, 0.0)
+        self._idle.cost += delta
+
     def _split(self, dt: float, work: dict[str, tuple[float, bool]]) -> None:
         fixed = self.work_model.fixed_s / len(work)
         total = sum(w for w, _ in work.values()) + self.work_model.fixed_s
@@ -174,10 +192,12 @@ class FleetMetering(Metering):
         for meter in meters.values():
             recorder.add_meter(meter)
         self._costs: defaultdict[str, RequestCost] = defaultdict(RequestCost)
+        self._last: dict[str, tuple[str, RequestCost]] = {}
+        """Request id -> (replica, estimated cost) of its latest attempt."""
         self._reported: dict[str, RequestCost] = {}
         self.cost_checks: deque[tuple[RequestCost, RequestCost]] = deque(maxlen=10_000)
         """(estimated, reported) machine cost of recent requests whose replica reported its
-        exact cost (kind tierserve): how good the estimate is."""
+        exact cost: how good the estimate is."""
 
     def on_scheduled(self, stats, now: float) -> None:
         self.meters[stats.engine].start(stats.request_id, now, stats.num_prompt_tokens)
@@ -192,6 +212,7 @@ class FleetMetering(Metering):
         cost.decode_cost += part.decode_cost
         cost.num_steps += part.num_steps
         cost.batch_size_sum += part.batch_size_sum
+        self._last[stats.request_id] = (stats.engine, part)
         self.recorder.flush_idle()  # replicas' idle time to the ledger as it closes
 
     def on_reported_cost(self, stats, cost: RequestCost) -> None:
@@ -200,8 +221,15 @@ class FleetMetering(Metering):
         seen.decode_cost += cost.decode_cost
 
     def on_request_finished(self, stats) -> Bill:
-        cost = self._costs.pop(stats.request_id, None) or RequestCost()
-        reported = self._reported.pop(stats.request_id, None)
-        if reported is not None:
-            self.cost_checks.append((cost, reported))
+        rid = stats.request_id
+        cost = self._costs.pop(rid, None) or RequestCost()
+        last = self._last.pop(rid, None)
+        reported = self._reported.pop(rid, None)
+        if reported is not None and last is not None:
+            replica, part = last
+            self.cost_checks.append((part, reported))
+            cost = RequestCost(cost.prefill_cost - part.prefill_cost + reported.prefill_cost,
+                               cost.decode_cost - part.decode_cost + reported.decode_cost,
+                               cost.num_steps, cost.batch_size_sum)
+            self.meters[replica].reattribute(part.machine_cost, reported.machine_cost)
         return Bill(cost, self.recorder.finished(stats, cost))

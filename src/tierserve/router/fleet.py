@@ -105,8 +105,8 @@ class FleetBackend:
         self.tokenizer = tokenizer
         self.clock = clock or Clock()
         self.health_interval_s = health_interval_s
-        self.gateway = Gateway([ReplicaState(s.name, s.max_num_seqs) for s in specs],
-                               flow or FlowConfig())
+        self.gateway = Gateway([ReplicaState(s.name, s.max_num_seqs, protects=bool(s.plugin))
+                                for s in specs], flow or FlowConfig())
         self._flow_started: FlowConfig | None = None
         """The gateway's flow config before the first `reconfigure`."""
         self.max_model_len = None
@@ -282,6 +282,10 @@ class FleetBackend:
         try:
             async for chunk in remote.stream(self._session, spec, path, body):
                 reason = self._on_chunk(req, chunk) or reason
+            if spec.plugin:
+                record = await self._exact_cost(req, spec)
+                if record is not None and record.get("refused"):
+                    reason = "refused"  # the plugin's flex limit (vLLM streams no chunk)
             if reason is None:  # vLLM stopped by SIGTERM can end a cut stream with [DONE]
                 raise remote.ReplicaDown(f"{spec.name} ended the stream without a "
                                          "finish_reason")
@@ -312,6 +316,29 @@ class FleetBackend:
                     self._finish(req, "error" if error else reason, error)
             self._wake.set()
 
+    async def _exact_cost(self, req: _Request, spec: remote.ReplicaSpec) -> dict | None:
+        """A plugin replica's exact cost of the request, from /tierserve/v1/costs (left
+        to the estimate when it does not answer); the replica's record of it."""
+        rid = req.pending.request_id
+        try:
+            r = await self._client.get(f"{spec.url}/tierserve/v1/costs", params={"ids": rid},
+                                       headers=self._auth(spec), timeout=5.0)
+            record = r.json()["data"].get(rid) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            log.warning("replica %s: no exact cost for %s (%s); billed as estimated",
+                        spec.name, rid, exc)
+            return None
+        meter = self.meters.get(spec.name)
+        if record is not None and meter is not None:  # its machine time, at our price
+            pps = meter.price_per_second
+            self.accounting.reported_cost(req.stats, RequestCost(
+                record["prefill_machine_s"] * pps, record["decode_machine_s"] * pps))
+        return record
+
+    @staticmethod
+    def _auth(spec: remote.ReplicaSpec) -> dict:
+        return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+
     def _upstream(self, req: _Request, spec: remote.ReplicaSpec) -> tuple[str, dict]:
         p = req.params
         body = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
@@ -341,7 +368,8 @@ class FleetBackend:
         else:
             path, body["prompt"] = "/v1/completions", req.prompt
         return path, remote.upstream_body(spec, path, body, self.model_name,
-                                          req.pending.tier, req.priority)
+                                          req.pending.tier, req.priority, bool(spec.plugin),
+                                          req.pending.request_id, req.owner.tenant)
 
     def _on_chunk(self, req: _Request, chunk: dict) -> str | None:
         now, stats = self.clock.now(), req.stats
@@ -385,33 +413,65 @@ class FleetBackend:
 
     # --------------------------------------------------------------- health
     async def _watch(self, replica: ReplicaState) -> None:
-        spec = self.specs[replica.name]
-        headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
         while True:
-            was = replica.healthy
-            try:
-                r = await self._client.get(spec.url + "/health", headers=headers,
-                                           timeout=self.health_interval_s)
-                replica.healthy = r.status_code == 200
-                if replica.healthy and spec.kind != "openai":
-                    self._scrape(replica, (await self._client.get(
-                        spec.url + "/metrics", headers=headers,
-                        timeout=self.health_interval_s)).text)
-            except httpx.HTTPError:
-                replica.healthy = False
-            if replica.healthy != was:
-                log.warning("replica %s is %s", replica.name,
-                            "back" if replica.healthy else "down")
-                self._wake.set()
+            await self._check(replica)
             await asyncio.sleep(self.health_interval_s)
+
+    async def _check(self, replica: ReplicaState) -> None:
+        """One health check: /health, vLLM's /metrics, and (once, for a vLLM replica)
+        whether tierserve's plugin runs there."""
+        spec = self.specs[replica.name]
+        headers = self._auth(spec)
+        was = replica.healthy
+        try:
+            r = await self._client.get(spec.url + "/health", headers=headers,
+                                       timeout=self.health_interval_s)
+            replica.healthy = r.status_code == 200
+            if replica.healthy and spec.kind == "vllm" and spec.plugin is None:
+                await self._detect_plugin(replica, spec, headers)
+            if replica.healthy and spec.kind != "openai":
+                self._scrape(replica, (await self._client.get(
+                    spec.url + "/metrics", headers=headers,
+                    timeout=self.health_interval_s)).text)
+        except httpx.HTTPError:
+            replica.healthy = False
+        if replica.healthy != was:
+            log.warning("replica %s is %s", replica.name,
+                        "back" if replica.healthy else "down")
+            self._wake.set()
+
+    async def _detect_plugin(self, replica: ReplicaState, spec: remote.ReplicaSpec,
+                             headers: dict) -> None:
+        r = await self._client.get(spec.url + "/tierserve/v1/info", headers=headers,
+                                   timeout=self.health_interval_s)
+        try:
+            info = r.json() if r.status_code == 200 else {}
+        except ValueError:
+            info = {}
+        spec.plugin = isinstance(info, dict) and info.get("plugin") == "tierserve"
+        replica.protects = spec.plugin
+        if spec.plugin:
+            log.warning("replica %s runs tierserve's vLLM plugin: it orders and preempts "
+                        "by tier itself, so lower tiers are not held back for it, and it "
+                        "reports each request's exact cost", replica.name)
+
+    async def probe(self) -> None:
+        """Check every replica once now (a gateway does before it says it is ready)."""
+        self._start()
+        await asyncio.gather(*(self._check(r) for r in self.gateway.replicas))
 
     @staticmethod
     def _scrape(replica: ReplicaState, text: str) -> None:
+        """KV use and queue from the replica's /metrics (unknown where it has none: text
+        that is not Prometheus's must not stop the health checks)."""
         kv, waiting = None, None
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in KV_METRICS:
-                    kv = max(kv or 0.0, sample.value)
-                elif sample.name in WAITING_METRICS:
-                    waiting = int((waiting or 0) + sample.value)
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in KV_METRICS:
+                        kv = max(kv or 0.0, sample.value)
+                    elif sample.name in WAITING_METRICS:
+                        waiting = int((waiting or 0) + sample.value)
+        except ValueError:
+            kv = waiting = None
         replica.kv_usage, replica.num_waiting = kv, waiting

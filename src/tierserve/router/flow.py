@@ -127,6 +127,9 @@ class ReplicaState:
     """In-flight lower-tier requests it may have (see the NOTE)."""
     last_priority_s: float = float("-inf")
     last_cut_s: float = float("-inf")
+    protects: bool = False
+    """It keeps the fast lane fast itself (tierserve's scheduler runs there: a tierserve
+    replica or vLLM with the plugin): no lower-tier limit is held for it."""
     prefixes: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @property
@@ -247,7 +250,7 @@ class Gateway:
     @staticmethod
     def _may_take(r: ReplicaState, request: Pending, lower: bool) -> bool:
         return r.takes(request.tier) and r.name not in request.excluded and \
-            not (lower and r.lower_in_flight >= r.limit)
+            not (lower and not r.protects and r.lower_in_flight >= r.limit)
 
     def score(self, r: ReplicaState, request: Pending) -> float:
         cached = self.cached_tokens(r, request)

@@ -5,6 +5,12 @@ A replica is vLLM (`kind: vllm`, started with `--scheduling-policy priority` so 
 gateway's `priority` field orders its queue; lower runs first), another tierserve
 (`kind: tierserve`, which takes the tier itself as `service_tier` and reports its exact
 cost), or any OpenAI-compatible server (`kind: openai`: neither field is sent).
+
+A vLLM replica running tierserve's plugin (tierserve/vllm: found by its
+`/tierserve/v1/info`, or `plugin: true`) gets the tier, tenant and the gateway's request
+id as `vllm_xargs`: it orders, preempts and meters by tier itself, so the gateway does not
+hold lower tiers back for it, and reads each request's exact cost from
+`/tierserve/v1/costs` when its stream ends.
 """
 
 import asyncio
@@ -36,6 +42,8 @@ class ReplicaSpec:
     """A price profile (metering.prices) for this replica; None: the server's."""
     max_num_seqs: int = 256
     """Requests it runs at once (vLLM's --max-num-seqs)."""
+    plugin: bool | None = None
+    """kind vllm: runs tierserve's scheduler plugin (None: ask the replica)."""
     name: str = ""
 
     def validate(self) -> None:
@@ -78,17 +86,25 @@ class ReplicaDown(Exception):
 
 
 def upstream_body(spec: ReplicaSpec, path: str, body: dict, model: str, tier: Tier,
-                  priority: int) -> dict:
+                  priority: int, plugin: bool = False, request_id: str = "",
+                  tenant: str = "") -> dict:
     """The request a replica gets: the client's, streamed with usage, plus the tier as
-    the replica's kind understands it."""
+    the replica's kind understands it (`plugin`: tierserve's vLLM plugin runs there)."""
     # the replica's own name for the model (its first), unless it lists the gateway's
     named = model if model in spec.models or not spec.models else spec.models[0]
     body = {**body, "model": named, "stream": True,
             "stream_options": {"include_usage": True}}
     body.pop("service_tier", None)
     body.pop("priority", None)
-    if spec.kind == "vllm":
-        body["priority"] = int(tier) * 1000 + priority  # vLLM: lower first
+    if spec.kind == "vllm" and plugin:
+        body["priority"] = priority  # within the tier; the plugin orders tiers itself
+        body["vllm_xargs"] = {"tier": tier.label, "tierserve_id": request_id,
+                              **({"tenant": tenant} if tenant else {})}
+    elif spec.kind == "vllm":
+        # vLLM: lower first. Priority's band is below 0 and flex's above, as the plugin
+        # reads a bare `priority`, so a replica not yet found to run it still gets the
+        # right tier.
+        body["priority"] = (int(tier) - 1) * 1000 + priority
     elif spec.kind == "tierserve":
         body["service_tier"] = "default" if tier == Tier.BATCH else tier.label
         body["priority"] = priority

