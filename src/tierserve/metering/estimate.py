@@ -225,6 +225,7 @@ class FleetMetering(Metering):
         cost = self._costs.pop(rid, None) or RequestCost()
         last = self._last.pop(rid, None)
         reported = self._reported.pop(rid, None)
+        note = None
         if reported is not None and last is not None:
             replica, part = last
             self.cost_checks.append((part, reported))
@@ -232,4 +233,5 @@ class FleetMetering(Metering):
                                cost.decode_cost - part.decode_cost + reported.decode_cost,
                                cost.num_steps, cost.batch_size_sum)
             self.meters[replica].reattribute(part.machine_cost, reported.machine_cost)
-        return Bill(cost, self.recorder.finished(stats, cost))
+            note = {"cost": "exact", "estimated_machine_usd": part.machine_cost}
+        return Bill(cost, self.recorder.finished(stats, cost, note))

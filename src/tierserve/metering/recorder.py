@@ -191,9 +191,10 @@ class Recorder:
             return self.ledger.spent(tenant, since_unix)
         return self._charged.get(tenant, 0.0)
 
-    def finished(self, stats, cost: RequestCost) -> float:
+    def finished(self, stats, cost: RequestCost, note: dict | None = None) -> float:
         """Charge a finished request (in the tier that served it), write its row, count
-        its tenant's spend; returns the charge."""
+        its tenant's spend; returns the charge. `note`: more tags for its row (how the
+        cost was made), under `tierserve.`-prefixed keys."""
         tier_served = stats.billed_tier
         pending = self._pending.pop(stats.request_id, None) or _Pending("anonymous",
                                                                         tier_served, {})
@@ -211,6 +212,8 @@ class Recorder:
                     start, total = self._spend[pending.tenant]
                 self._spend[pending.tenant] = (start, total + charge)
             self._release(stats.request_id)
+        if note:
+            pending.tags = {**pending.tags, **{f"tierserve.{k}": v for k, v in note.items()}}
         if self.ledger is not None:
             self._write(stats, cost, charge, pending)
         return charge

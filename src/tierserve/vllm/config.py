@@ -19,6 +19,10 @@ TIER_FIELDS = ("reserved_priority_seqs", "reserved_priority_blocks", "default_ag
                "flex_max_wait_s", "priority_guard_s", "priority_step_time_s",
                "decode_step_time_s")
 """The plugin's keys that are tierserve's SchedulerConfig fields (same meaning)."""
+DEFAULTS = {"decode_step_time_s": 0.0}
+"""Where the plugin's default differs from tierserve's engine: no decode cap, so default
+traffic runs exactly as vLLM's own chunked prefill paces it (the plugin costs nothing
+when there is no priority work); set decode_step_time_s to smooth streams."""
 
 
 @dataclass
@@ -47,8 +51,8 @@ class PluginConfig:
         plugin = cls(**{k: v for k, v in raw.items() if k in own})
         tiers = SchedulerConfig(max_num_seqs=vllm_scheduler.max_num_seqs,
                                 max_num_batched_tokens=vllm_scheduler.max_num_batched_tokens,
-                                policy="tiered",
-                                **{k: v for k, v in raw.items() if k in TIER_FIELDS})
+                                policy="tiered", **{**DEFAULTS, **{
+                                    k: v for k, v in raw.items() if k in TIER_FIELDS}})
         tiers.validate()
         machine_price(plugin.hardware, plugin.price_per_hour)  # ConfigError if unknown
         return plugin, tiers

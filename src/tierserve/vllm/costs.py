@@ -17,6 +17,9 @@ import threading
 import time
 from collections import OrderedDict
 
+ENDING_WAIT_S = 1.0
+"""How long a `costs` question waits for a request that ended but whose last step is not
+back yet (a step takes milliseconds; this bounds a stuck engine)."""
 MAX_KEPT = 100_000
 """Finished requests whose cost is kept for a gateway to read (oldest dropped first)."""
 ENV_SOCKET = "TIERSERVE_VLLM_SOCKET"
@@ -43,6 +46,8 @@ class CostBook:
         self.price_per_s = price_per_hour / 3600
         self.clock = clock
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)
+        self._ending: set[str] = set()
         self._finished: OrderedDict[str, dict] = OrderedDict()
         self._by_tier: dict[str, dict] = {}
         self.idle_usd = 0.0
@@ -50,8 +55,20 @@ class CostBook:
         self._at: float | None = None
         self._busy = False
 
+    def note(self, **info) -> None:
+        """Update what `info` answers (the fitted model, the cap in force)."""
+        with self._lock:
+            self.info.update(info)
+
+    def ending(self, key: str) -> None:
+        """The request `key` ended; its cost lands once its last step is back."""
+        with self._lock:
+            self._ending.add(key)
+
     def finished(self, key: str, tier: str, record: dict) -> None:
         with self._lock:
+            self._ending.discard(key)
+            self._landed.notify_all()
             self._finished[key] = record
             self._finished.move_to_end(key)
             while len(self._finished) > MAX_KEPT:
@@ -84,6 +101,8 @@ class CostBook:
                         "machine_usd": self.machine_usd + since}
             if command == "costs":
                 keys = json.loads(arg or "[]")
+                self._landed.wait_for(lambda: not self._ending.intersection(keys),
+                                      ENDING_WAIT_S)
                 return {k: self._finished[k] for k in keys if k in self._finished}
         return {"error": f"unknown command {command!r}"}
 

