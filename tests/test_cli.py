@@ -50,3 +50,10 @@ def test_help_lists_the_commands_the_readme_documents():
     assert {"--host", "--port", "--config", "--policy", "--deployment"} <= flags
     missing = sorted(f for f in flags if f not in readme)
     assert not missing, f"serve flags the README does not document: {missing}"
+    epp_help = subprocess.run([sys.executable, "-m", "tierserve.cli", "epp", "--help"],
+                              capture_output=True, text=True).stdout
+    assert "tierserve epp" in readme
+    own = set(re.findall(r"--[a-z][a-z-]+", epp_help)) - flags - {"--help"}
+    assert {"--grpc-port", "--print-envoy-config", "--fail-open"} <= own
+    missing = sorted(f for f in own if f not in readme)
+    assert not missing, f"epp flags the README does not document: {missing}"

@@ -14,7 +14,7 @@ TORCH_FREE = ("tierserve.core", "tierserve.metering", "tierserve.sim", "tierserv
               "tierserve.errors", "tierserve.config", "tierserve.sampling_params",
               "tierserve.engine_args", "tierserve.model.metadata", "tierserve.model.shapes",
               "tierserve.vllm", "tierserve.vllm.config", "tierserve.vllm.costs",
-              "tierserve.vllm.meter",
+              "tierserve.vllm.meter", "tierserve.epp",
               "tierserve.server.app", "tierserve.server.protocol", "tierserve.server.tools")
 """Importing these (every module of a package) must not import torch."""
 
@@ -36,6 +36,8 @@ NEVER = {
     "tierserve.hardware": ("tierserve.sim", "tierserve.server", "tierserve.engine",
                            "tierserve.metering", "tierserve.router"),
     "tierserve.schedule": ("tierserve.sim", "tierserve.server", "tierserve.core.scheduler"),
+    "tierserve.epp": ("tierserve.engine", "tierserve.worker", "tierserve.model.loader",
+                      "tierserve.sim", "tierserve.bench", "tierserve.cli"),
     "tierserve.vllm": ("tierserve.engine", "tierserve.worker", "tierserve.model",
                        "tierserve.server", "tierserve.router", "tierserve.sim",
                        "tierserve.bench", "tierserve.cli", "tierserve.batch"),

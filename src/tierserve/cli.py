@@ -108,6 +108,12 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_epp(args) -> int:
+    from tierserve.epp.run import run
+
+    return run(args)
+
+
 def cmd_bench_serve(args) -> int:
     from tierserve.bench.serve import run
 
@@ -115,21 +121,8 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tierserve",
-        description="LLM inference with explicit service tiers and per-request machine cost.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
-    gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--chat", action="store_true",
-                     help="wrap the prompt as a user message in the model's chat template")
-    add_engine_args(gen)
-    add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+def add_serve_flags(srv) -> None:
+    """The flags of `tierserve serve` (the endpoint picker takes them all too)."""
     srv.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                      help="model to serve (same as --model)")
     # Every serve flag is a Remember action: a flag given wins over the YAML config.
@@ -183,8 +176,51 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch jobs run in front of them. YAML `backends:` gives each its "
                         "kind, models, api_key, price_per_hour or hardware, max_num_seqs; "
                         "`fleet:` tunes the flow control")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierserve",
+        description="LLM inference with explicit service tiers and per-request machine cost.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the model's chat template")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_flags(srv)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    epp = sub.add_parser(
+        "epp", help="endpoint picker for Envoy (ext_proc): tiers, routing and cost for a "
+                    "gateway you already run",
+        description="A fleet gateway (every flag of `tierserve serve`; --backend or YAML "
+                    "backends: required) that Envoy calls over ext_proc to pick each "
+                    "request's replica (the Gateway API Inference Extension's protocol), "
+                    "beside its HTTP port (/metrics, /v1/spend, the dashboard, batches).")
+    add_serve_flags(epp)
+    e = epp.add_argument_group("endpoint picker")
+    e.add_argument("--grpc-port", type=int, default=9002,
+                   help="ext_proc and gRPC health checking port (default 9002)")
+    e.add_argument("--print-envoy-config", action="store_true",
+                   help="print an Envoy bootstrap (YAML) for these replicas and this picker, "
+                        "and exit")
+    e.add_argument("--envoy-port", type=int, default=8081,
+                   help="the printed config's listener port (default 8081)")
+    e.add_argument("--envoy-admin-port", type=int, default=None,
+                   help="the printed config's admin port (default: no admin listener)")
+    e.add_argument("--fail-open", action="store_true",
+                   help="in the printed config: while the picker is down, Envoy sends "
+                        "requests round-robin (untiered, unmetered); default: fail closed "
+                        "(500)")
+    add_engine_args(epp)
+    epp.set_defaults(func=cmd_epp)
 
     bill = sub.add_parser("bill", help="the bill explained, from the ledger")
     from tierserve.metering.ledger import default_path as ledger_path

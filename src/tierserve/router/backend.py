@@ -74,6 +74,12 @@ class Backend(Protocol):
     def kv_blocks_in_use(self) -> int | None:
         """KV blocks held by requests right now, where this process holds the KV cache
         (None: a replica's, seen only through its scraped usage)."""
+        ...
+
+    def kv_cache_config(self) -> tuple[int, int] | None:
+        """(block size in tokens, blocks in all), where this process holds the KV cache:
+        what `vllm:cache_config_info` says to a gateway sizing requests (None: a
+        replica's)."""
 
     def reconfigure(self, entry: "HourPlan") -> dict:
         """Apply a capacity-schedule entry now, without dropping a request (what each

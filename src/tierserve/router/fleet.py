@@ -89,9 +89,13 @@ class FleetBackend:
     def __init__(self, specs: list[remote.ReplicaSpec], model_name: str,
                  work_model: StepTimeModel, flow: FlowConfig | None = None, slo=None,
                  tokenizer=None, clock: Clock | None = None, health_interval_s: float = 2.0,
-                 connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0):
+                 connect_timeout_s: float = 5.0, read_timeout_s: float = 300.0,
+                 transport=None):
         """`work_model`: the step-time model of one replica (splits its cost);
-        `tokenizer`: counts prompt tokens for routing and metering (else estimated)."""
+        `tokenizer`: counts prompt tokens for routing and metering (else estimated);
+        `transport(request_id, spec, path, body)`: the replica's answer as chunk dicts
+        (default: this gateway sends the request itself; the endpoint picker's hands it
+        to Envoy, epp/handoff.py)."""
         for s in specs:  # one gateway serves one model: never send it to another one
             if len(s.models) > 1 and model_name not in s.models:
                 raise ConfigError(f"replica {s.name} serves {', '.join(s.models)}, not this "
@@ -122,6 +126,8 @@ class FleetBackend:
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self.transport = transport or (
+            lambda rid, spec, path, body: remote.stream(self._session, spec, path, body))
 
     # ------------------------------------------------------------ Backend
     @property
@@ -181,6 +187,9 @@ class FleetBackend:
 
     def kv_blocks_in_use(self) -> None:
         return None  # the replicas hold the KV caches
+
+    def kv_cache_config(self) -> None:
+        return None
 
     def reconfigure(self, entry) -> dict:
         """The gateway's priority reserve per replica (the replicas size themselves)."""
@@ -280,8 +289,10 @@ class FleetBackend:
         path, body = self._upstream(req, spec)
         reason, retry, error = None, False, None
         try:
-            async for chunk in remote.stream(self._session, spec, path, body):
+            async for chunk in self.transport(req.pending.request_id, spec, path, body):
                 reason = self._on_chunk(req, chunk) or reason
+            if req.pending.replica is not None:  # where it ran (Envoy may have moved it)
+                spec = self.specs[req.pending.replica.name]
             if spec.plugin:
                 record = await self._exact_cost(req, spec)
                 if record is not None and record.get("refused"):
@@ -315,6 +326,27 @@ class FleetBackend:
                 if not req.done:
                     self._finish(req, "error" if error else reason, error)
             self._wake.set()
+
+    def replica_of(self, request_id: str) -> str | None:
+        """The replica an unfinished request is on (None: queued, or done)."""
+        req = self._requests.get(request_id)
+        return req.pending.replica.name if req is not None and req.pending.replica else None
+
+    def moved(self, request_id: str, name: str) -> None:
+        """The request was sent to replica `name`, not the one it was given (Envoy retried
+        it on the next endpoint the picker named): that one failed before answering."""
+        req = self._requests.get(request_id)
+        if req is None or req.pending.replica is None or req.pending.replica.name == name:
+            return
+        target = next(r for r in self.gateway.replicas if r.name == name)
+        log.warning("replica %s failed before answering %s; it went to %s",
+                    req.pending.replica.name, request_id, name)
+        req.pending.replica.healthy = False
+        now = self.clock.now()
+        self.accounting.left(req.stats, now)
+        self.gateway.finished(req.pending, now)
+        self.gateway.sent(req.pending, target, now)
+        self.accounting.scheduled(req.stats, now, name)
 
     async def _exact_cost(self, req: _Request, spec: remote.ReplicaSpec) -> dict | None:
         """A plugin replica's exact cost of the request, from /tierserve/v1/costs (left

@@ -98,6 +98,10 @@ class LocalBackend:
         return sum(p.engine.block_manager.num_blocks - p.engine.block_manager.num_free_blocks
                    for p in self.deployment.engines)
 
+    def kv_cache_config(self) -> tuple[int, int]:
+        managers = [p.engine.block_manager for p in self.deployment.engines]
+        return managers[0].block_size, sum(m.num_blocks for m in managers)
+
     def reconfigure(self, entry) -> dict:
         applied = {}
         for part in self.deployment.engines:

@@ -32,7 +32,8 @@ from tierserve.server.tenants import TenantStore
 from tierserve.server.metrics import Metrics
 from tierserve.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest)
-from tierserve.server.settings import OPEN_TENANT, ServerSettings, Tenant
+from tierserve.server.settings import (FAIRNESS_HEADER, OPEN_TENANT, ServerSettings, Tenant,
+                                       gie_tier)
 from tierserve.server.timeline import Timeline
 
 
@@ -87,6 +88,7 @@ class ServerState:
         self.metrics.slo = dict(backend.slo)
         if backend.kv_blocks_in_use() is not None:  # where this process holds the KV cache
             self.metrics.watch_kv_blocks(backend.kv_blocks_in_use)
+            self.metrics.vllm.cache_config_info(*backend.kv_cache_config())
         self.admission = admission
         self.backend = backend
 
@@ -122,8 +124,9 @@ class ServerState:
 
     def authenticate(self, request: Request) -> Tenant:
         keys = self.settings.api_keys
-        if self.open_mode:
-            return OPEN_TENANT
+        if self.open_mode:  # an Inference Extension gateway may name who asks
+            fairness = request.headers.get(FAIRNESS_HEADER, "").strip()
+            return Tenant(fairness[:128]) if fairness else OPEN_TENANT
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else ""
         if key in keys:
@@ -285,6 +288,8 @@ def create_app(backend: Backend | None, settings: ServerSettings,
         tenant = state.authenticate(request)
         state.ready()
         state.check_model(body.model)
+        if body.service_tier is None:
+            body.service_tier = gie_tier(request.headers)
         choice = routing.choose(state, body, tenant)
         return await completions.serve(
             state, "chat", body, completions.prompts(state, body, choice.served.backend),
@@ -295,6 +300,8 @@ def create_app(backend: Backend | None, settings: ServerSettings,
         tenant = state.authenticate(request)
         state.ready()
         state.check_model(body.model)
+        if body.service_tier is None:
+            body.service_tier = gie_tier(request.headers)
         choice = routing.choose(state, body, tenant)
         return await completions.serve(
             state, "completion", body, completions.prompts(state, body, choice.served.backend),

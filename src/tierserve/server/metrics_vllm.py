@@ -27,6 +27,9 @@ FINISHED_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class VllmMetrics:
+    def cache_config_info(self, block_size: int, num_blocks: int) -> None:
+        self.cache_config.labels(self.model, "0", str(block_size), str(num_blocks)).set(1)
+
     def __init__(self, registry: CollectorRegistry, model: str):
         self.model = model
         r, labels = registry, ["model_name", "engine"]
@@ -47,6 +50,10 @@ class VllmMetrics:
         self.gpu_kv = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0 to 1 (the old "
                             "name; on a CPU engine the cache is in host memory).")
         self.cpu_kv = gauge("vllm:cpu_cache_usage_perc", "Always 0: no swap space.")
+        self.cache_config = Gauge("vllm:cache_config_info", "The KV cache's shape (value 1; "
+                                  "the labels say it), as an Inference Extension gateway "
+                                  "reads it.", ["model_name", "engine", "block_size",
+                                                "num_gpu_blocks"], registry=r)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.")

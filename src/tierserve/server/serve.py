@@ -155,7 +155,7 @@ def model_config(config, options: dict):
     return out
 
 
-def build_fleet(settings, config, name: str, say):
+def build_fleet(settings, config, name: str, say, transport=None):
     """Fleet mode's backend: the replicas, the gateway's flow control (its SLO signal is
     the priority tier's), a step-time model to split each replica's cost (a calibrated
     profile, the shipped CPU profile, or a GPU roofline of the model's shape) and a
@@ -193,7 +193,8 @@ def build_fleet(settings, config, name: str, say):
         say(f"no tokenizer ({exc}); prompt tokens are estimated until replicas report them")
     say(f"fleet mode: {len(settings.backends)} replica(s) "
         f"({', '.join(f'{s.name}={s.url} ({s.kind})' for s in settings.backends)})")
-    return FleetBackend(settings.backends, name, model, flow, tiers.slo, tokenizer)
+    return FleetBackend(settings.backends, name, model, flow, tiers.slo, tokenizer,
+                        transport=transport)
 
 
 async def build_engines(config, say):
@@ -266,18 +267,23 @@ def uvicorn_config(app, settings, access_log: bool):
     return config
 
 
-def serve(args) -> int:
+def serve(args, built=None, transport=None, started=None) -> int:
+    """`built`: build(args)'s result, where the caller read it first; `transport` and
+    `started` are the endpoint picker's (epp/run.py): the fleet backend's transport,
+    and `await started(state, backend)` once the backend is attached, which returns
+    (what to add to the ready line, an async callable that stops what it started)."""
     import uvicorn
 
     from tierserve.router.local import LocalBackend
     from tierserve.server.app import create_app
 
-    settings, config, name = build(args)
+    settings, config, name = built or build(args)
     app = create_app(None, settings, name)
     state = app.state.tierserve
     server = uvicorn.Server(uvicorn_config(app, settings, not args.disable_uvicorn_access_log))
     url = f"http://{settings.host}:{settings.port}"
     failure: list[BaseException] = []
+    stops: list = []
 
     def say(line: str) -> None:
         print(f"tierserve: {line}", file=sys.stderr, flush=True)
@@ -288,7 +294,7 @@ def serve(args) -> int:
         say(f"listening on {url} (loading {name}; /health says 503 until ready)")
         try:
             if settings.backends:
-                backend = build_fleet(settings, config, name, say)
+                backend = build_fleet(settings, config, name, say, transport)
                 await backend.probe()  # health, and which replicas run tierserve's plugin
                 what = f"{len(settings.backends)} replica(s) behind the gateway"
                 plugins = [s.name for s in settings.backends if s.plugin]
@@ -304,6 +310,15 @@ def serve(args) -> int:
             server.should_exit = True
             return
         state.attach(backend)
+        if started is not None:
+            try:
+                more_what, stop = await started(state, backend)
+            except Exception as exc:
+                failure.append(exc)
+                server.should_exit = True
+                return
+            stops.append(stop)
+            what += more_what
         if not settings.backends:
             for extra, engine in more.items():
                 part = LocalBackend(engine, extra)
@@ -317,6 +332,8 @@ def serve(args) -> int:
         task = asyncio.create_task(load())
         await server.serve()
         task.cancel()
+        for stop in stops:
+            await stop()
 
     asyncio.run(main())
     if failure:

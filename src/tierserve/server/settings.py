@@ -20,7 +20,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from tierserve.core.request import Owner
-from tierserve.errors import ConfigError
+from tierserve.errors import ConfigError, InvalidRequestError
 from tierserve.metering.prices import PriceList, machine_price
 from tierserve.metering.recorder import Budget
 from tierserve.router.flow import FlowConfig
@@ -58,6 +58,25 @@ class Tenant:
 
 
 OPEN_TENANT = Tenant("anonymous")
+
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+"""The Inference Extension's objective header; here it names a tier."""
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+"""The Inference Extension's fairness id; here the tenant, where no API keys name one."""
+OBJECTIVES = ("auto", "default", "flex", "priority")
+
+
+def gie_tier(headers) -> str | None:
+    """The tier an Inference Extension gateway asked for in its objective header (None:
+    none asked; the body's `service_tier` wins where both are given)."""
+    value = headers.get(OBJECTIVE_HEADER)
+    if not value:
+        return None
+    if value not in OBJECTIVES:
+        raise InvalidRequestError(
+            f"{OBJECTIVE_HEADER}: {value!r} is not a tier this server knows; use one of "
+            f"{', '.join(OBJECTIVES)}", param=OBJECTIVE_HEADER, code="invalid_value")
+    return value
 
 
 @dataclass

@@ -1,0 +1,156 @@
+"""The fleet backend's transport when Envoy carries the request: instead of sending it,
+the gateway hands the chosen replica and the request's scheduling fields to the ext_proc
+stream that holds it (epp/service.py), and reads the replica's answer from the response
+chunks Envoy shows that stream.
+
+NOTE: one request's handoff
+    The ext_proc handler opens a `Slot` before it submits the request. When the gateway
+    releases it (router/flow.py, as in `tierserve serve --backend`), the fleet backend
+    calls `stream(...)`: the slot's `sent` future gets (replica, the body to send) and
+    the handler answers Envoy with the destination. The handler then feeds what Envoy
+    shows of the answer: `feed` per response chunk (SSE events, or one JSON body for a
+    request that did not stream), `end` at its end, `fail` when the stream broke. So the
+    backend times, meters and finishes the request exactly as it does one it sent
+    itself; only who moves the bytes differs.
+"""
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from tierserve.errors import UpstreamError
+
+SCHEDULING_FIELDS = ("model", "priority", "vllm_xargs", "service_tier", "cache_salt")
+"""What the gateway adds to or changes in a client's body for its replica; the rest of
+the client's body goes through as the client wrote it."""
+_END = object()
+
+
+@dataclass(eq=False)
+class Slot:
+    client_body: dict
+    sent: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop()
+                                 .create_future())
+    """Resolves to (ReplicaSpec, the body to send) when the gateway releases it."""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stream: bool = False
+    status: int = 200
+    raw: bytearray = field(default_factory=bytearray)
+    """Bytes not yet parsed (an SSE event split across chunks, or a whole JSON body)."""
+
+    # ------------------------------------------------- the handler feeds these
+    def feed(self, data: bytes, strip_usage: bool = False) -> bytes:
+        """A response chunk: parsed for the meter; returned as the client should get it
+        (a stream's complete events, less the usage-only one where `strip_usage`; an
+        event split across chunks goes on whole with the chunk that completes it)."""
+        self.raw += data
+        if not self.stream or self.status != 200:
+            return data  # one JSON body (or an error): parsed at its end
+        out = bytearray()
+        while True:
+            cut = self.raw.find(b"\n\n")
+            if cut < 0:
+                return bytes(out)
+            event = bytes(self.raw[:cut + 2])
+            del self.raw[:cut + 2]
+            chunk = self._event(event)
+            if strip_usage and chunk is not None and not chunk.get("choices") \
+                    and chunk.get("usage"):
+                continue  # asked for by the gateway, not by the client
+            out += event
+
+    def end(self) -> bytes:
+        """The answer ended: what is left to pass on (an unterminated last event)."""
+        rest = b""
+        if self.status != 200:
+            self.events.put_nowait(UpstreamError(_message(bytes(self.raw)), self.status))
+        elif self.stream:
+            if self.raw.strip():
+                rest = bytes(self.raw)
+                self._event(rest)
+        else:
+            try:
+                self.events.put_nowait(_as_chunk(json.loads(bytes(self.raw))))
+            except ValueError:
+                self.events.put_nowait(UpstreamError("the replica's answer is not JSON", 502))
+        self.raw.clear()
+        self.events.put_nowait(_END)
+        return rest
+
+    def _event(self, event: bytes) -> dict | None:
+        found = None
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data and data != b"[DONE]":
+                    try:
+                        found = json.loads(data)
+                    except ValueError:
+                        continue  # not a chunk of ours (a comment, a keep-alive)
+                    self.events.put_nowait(found)
+        return found
+
+
+def _as_chunk(body: dict) -> dict:
+    """A whole completion read as one stream chunk (its text and usage)."""
+    choices = []
+    for c in body.get("choices") or []:
+        text = c.get("text")
+        if text is None:
+            text = (c.get("message") or {}).get("content") or ""
+        choices.append({"text": text, "finish_reason": c.get("finish_reason")})
+    return {"choices": choices, "usage": body.get("usage")}
+
+
+def _message(raw: bytes) -> str:
+    try:
+        err = json.loads(raw)
+        err = err.get("error", err) if isinstance(err, dict) else err
+        return str(err.get("message", err) if isinstance(err, dict) else err)
+    except ValueError:
+        return raw.decode(errors="replace")[:500] or "the replica answered with an error"
+
+
+class Handoff:
+    """The transport (FleetBackend's `transport`): one slot per request Envoy holds."""
+
+    def __init__(self):
+        self.slots: dict[str, Slot] = {}
+
+    def open(self, request_id: str, client_body: dict) -> Slot:
+        slot = Slot(dict(client_body), stream=bool(client_body.get("stream")))
+        self.slots[request_id] = slot
+        return slot
+
+    def close(self, request_id: str) -> None:
+        self.slots.pop(request_id, None)
+
+    async def __call__(self, request_id: str, spec, path: str, body: dict):
+        slot = self.slots.get(request_id)
+        if slot is None or slot.sent.done():  # Envoy routes a request once: no retry here
+            raise UpstreamError("the request's stream to Envoy is gone", 502)
+        slot.sent.set_result((spec, self.body(slot, body)))
+        while True:
+            item = await slot.events.get()
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    @staticmethod
+    def body(slot: Slot, built: dict) -> dict:
+        """The client's body with the gateway's scheduling fields for this replica (and
+        usage in the stream, which the meter reads; epp/service.py takes that chunk out
+        again where the client did not ask for it)."""
+        out = {k: v for k, v in slot.client_body.items()
+               if k not in SCHEDULING_FIELDS or k == "model"}
+        out.update({k: built[k] for k in SCHEDULING_FIELDS if k in built})
+        if slot.stream:
+            out["stream_options"] = {**(slot.client_body.get("stream_options") or {}),
+                                     "include_usage": True}
+        return out
+
+    @staticmethod
+    def wants_usage(slot: Slot) -> bool:
+        return bool((slot.client_body.get("stream_options") or {}).get("include_usage"))
