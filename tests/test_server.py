@@ -439,6 +439,43 @@ def test_idle_cost_accrues_while_the_server_is_idle_and_adds_up(tmp_path):
         srv.stop()
 
 
+def test_a_replica_in_an_inference_pool_reads_its_headers_and_exports_what_pickers_read(
+        tmp_path):
+    """A tierserve replica behind another project's endpoint picker: the Inference
+    Extension's objective header picks the tier and its fairness id names the tenant
+    (no API keys here), an objective that is no tier is a 400, and /metrics has the
+    series such pickers scrape, the KV cache's shape among them."""
+    import sqlite3
+
+    srv = LiveServer(ServerSettings(ledger=str(tmp_path / "l.db")), max_num_seqs=4)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 3}, headers={
+            "x-gateway-inference-objective": "priority",
+            "x-gateway-inference-fairness-id": "team-pool"})
+        assert r.status_code == 200 and r.headers["x-tierserve-served-tier"] == "priority"
+        bad = httpx.post(srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 3}, headers={
+            "x-gateway-inference-objective": "critical"})
+        assert bad.status_code == 400
+        assert bad.json()["error"]["param"] == "x-gateway-inference-objective"
+        srv.wait_idle()
+        time.sleep(0.5)  # the ledger writes on its own thread
+        with sqlite3.connect(tmp_path / "l.db") as db:
+            rows = db.execute("SELECT tenant, tier_served FROM requests").fetchall()
+        assert rows == [("team-pool", "priority")]
+        text = httpx.get(srv.url + "/metrics").text
+        for name in ("vllm:num_requests_waiting{", "vllm:num_requests_running{",
+                     "vllm:kv_cache_usage_perc{"):
+            assert name in text, name
+        info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+        block = srv.engine.block_manager
+        assert len(info) == 1 and f'block_size="{block.block_size}"' in info[0]
+        assert f'num_gpu_blocks="{block.num_blocks}"' in info[0]
+    finally:
+        srv.stop()
+
+
 def test_a_tenant_over_budget_gets_429_insufficient_quota_and_others_do_not():
     from tierserve.metering.recorder import Budget
     keys = {"sk-a": Tenant("a"), "sk-b": Tenant("b")}

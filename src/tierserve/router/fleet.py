@@ -1,13 +1,15 @@
 """Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
 checks, retries and metering.
 
-About 430 lines, kept whole: the Backend methods, the dispatcher and the health loop share
+About 500 lines, kept whole: the Backend methods, the dispatcher and the health loop share
 one request table; a request's dispatch, retry, metering and single finish share its
 `_Request` record, and "finishes exactly once" is readable only in one place.
 
 NOTE: one request's life
     `submit` queues it at the gateway (router/flow.py decides when and where it goes); the
-    dispatcher sends it and streams the replica's chunks back as RequestOutputs. What
+    dispatcher sends it (through `transport`: this process itself, or Envoy for the
+    endpoint picker, epp/handoff.py) and streams the replica's chunks back as
+    RequestOutputs. What
     happened is told to the one request accounting the engine uses too
     (core/accounting.py: timeline, metering, sinks; the replica's meter is
     metering/estimate.py's, plugged in as its metering) and to the gateway's latency
