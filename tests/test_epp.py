@@ -29,31 +29,31 @@ SEQS = 4
 
 
 # ------------------------------------------------------------- no Envoy needed
-def test_a_streamed_answer_is_read_whole_and_the_usage_chunk_the_client_did_not_ask_for_goes():
-    """Events split anywhere across chunks reach the meter whole and the client intact,
-    less the usage chunk the picker asked for on its own."""
-    events = [b'data: {"choices":[{"text":"Hel","finish_reason":null}]}\n\n',
-              b'data: {"choices":[{"text":"lo","finish_reason":"length"}]}\n\n',
-              b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n',
-              b"data: [DONE]\n\n"]
-    raw = b"".join(events)
+def test_a_streamed_answer_is_read_whole_wherever_envoy_cuts_it():
+    """Events split anywhere across chunks reach the meter whole, a tierserve replica's
+    usage comment among them (the client's stream is never changed)."""
+    import asyncio
 
-    async def run(cut: int, strip: bool):
+    raw = (b'data: {"choices":[{"text":"Hel","finish_reason":null}]}\n\n'
+           b'data: {"choices":[{"text":"lo","finish_reason":"length"}]}\n\n'
+           b': usage {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+           b"data: [DONE]\n\n")
+
+    async def run(cut: int):
         slot = Slot({"stream": True}, stream=True)
-        out = slot.feed(raw[:cut], strip) + slot.feed(raw[cut:], strip) + slot.end()
+        slot.feed(raw[:cut])
+        slot.feed(raw[cut:])
+        slot.end()
         chunks = []
         while not slot.events.empty():
             chunks.append(slot.events.get_nowait())
-        return out, chunks
+        return chunks
 
-    import asyncio
     for cut in range(0, len(raw) + 1, 7):
-        out, chunks = asyncio.run(run(cut, True))
-        assert out == events[0] + events[1] + events[3]
+        chunks = asyncio.run(run(cut))
         assert [c.get("usage") for c in chunks[:3]] == [None, None, {
             "prompt_tokens": 3, "completion_tokens": 2}]
-        out, _ = asyncio.run(run(cut, False))
-        assert out == raw
+        assert [c["choices"][0]["text"] for c in chunks[:2]] == ["Hel", "lo"]
 
 
 def test_the_replica_gets_the_clients_body_with_the_gateways_scheduling_fields():
@@ -68,7 +68,7 @@ def test_the_replica_gets_the_clients_body_with_the_gateways_scheduling_fields()
     out = asyncio.run(body())
     assert out == {"model": "replica-name", "prompt": "hi", "stream": True, "logprobs": 2,
                    "service_tier": "flex", "priority": 0,
-                   "stream_options": {"include_usage": True}}
+                   "stream_options": {"include_usage": False}}
 
 
 def test_the_envoy_config_names_the_pickers_protocol_and_its_failure_mode():
@@ -80,6 +80,10 @@ def test_the_envoy_config_names_the_pickers_protocol_and_its_failure_mode():
             ["typed_config"]["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"][0]
     assert proc["typed_config"]["failure_mode_allow"] is False  # fail closed by default
     assert proc["typed_config"]["processing_mode"]["request_body_mode"] == "BUFFERED"
+    meter = [f for f in cfg["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"][0]["typed_config"]["http_filters"] if "meter" in f["name"]][0]
+    assert meter["typed_config"]["observability_mode"] is True  # no token waits on it
+    assert meter["typed_config"]["processing_mode"]["response_body_mode"] == "STREAMED"
 
 
 # ------------------------------------------------------------------ the stack
@@ -160,6 +164,11 @@ def _rows(ledger: Path, *ids: str) -> dict:
     return found
 
 
+def _name(stack, endpoint: str) -> str:
+    """The replica at `IP:port` (the endpoint Envoy says answered)."""
+    return next(r.name for r in stack["replicas"] if endpoint == f"127.0.0.1:{r.port}")
+
+
 def _served_counts(replicas) -> dict:
     out = {}
     for r in replicas:
@@ -214,7 +223,7 @@ def test_requests_reach_the_replica_the_picker_chose_and_are_billed_once(stack):
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 6
         assert "x-gateway-destination-endpoint" not in r.headers
-        chose[r.headers["x-tierserve-replica"]] += 1
+        chose[_name(stack, r.headers["x-tierserve-endpoint"])] += 1
         ids.append(r.headers["x-request-id"])
     after = _served_counts(stack["replicas"])
     assert {k: after[k] - before[k] for k in after} == chose
@@ -288,6 +297,23 @@ def test_costs_in_the_ledger_are_the_replicas_exact_cost_as_through_serve_backen
         [rows2[s.rid]["prompt_tokens"] for s in via_gw]
 
 
+def test_a_stream_that_asked_for_no_usage_gets_none_and_is_billed_exactly(stack):
+    """The picker never changes the answer: a client that did not ask for usage gets no
+    usage chunk, and the ledger still has its tokens and the replica's exact cost (from
+    the replica's usage comment, which SSE clients skip)."""
+    body = {"model": MODEL, "prompt": "No usage asked", "max_tokens": 7, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", stack["url"] + "/v1/completions", json=body, timeout=120) as r:
+        rid = r.headers["x-request-id"]
+        data = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert data and all(d["choices"] and "usage" not in d or d["usage"] is None
+                        for d in data)
+    row = _rows(stack["ledger"], rid)[rid]
+    assert row["output_tokens"] == 7 and row["prompt_tokens"] > 0
+    assert row["prefill_cost"] + row["decode_cost"] > 0
+    assert json.loads(row["tags"])["tierserve.cost"] == "exact"  # the replica's figure
+
+
 def test_a_bad_body_and_an_unknown_objective_are_400s_in_the_openai_shape(stack):
     r = httpx.post(stack["url"] + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
@@ -326,7 +352,7 @@ def test_a_replica_killed_goes_elsewhere_and_the_picker_killed_fails_closed(stac
     for t in threads:
         t.join(120)
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-    assert {r.headers["x-tierserve-replica"] for r in results} == {"a"}
+    assert {_name(stack, r.headers["x-tierserve-endpoint"]) for r in results} == {"a"}
     ids = [r.headers["x-request-id"] for r in results]
     rows = _rows(stack["ledger"], *ids)
     assert sorted(rows) == sorted(ids)
@@ -343,6 +369,7 @@ def test_a_replica_killed_goes_elsewhere_and_the_picker_killed_fails_closed(stac
                            fail_open=True)
     try:
         opened = _complete(url, "No picker, fail open", 2)
-        assert opened.status_code == 200 and "x-tierserve-replica" not in opened.headers
+        assert opened.status_code == 200  # served round-robin, and never billed:
+        assert _rows(stack["ledger"], opened.headers.get("x-request-id", "-")) == {}
     finally:
         envoy.kill()

@@ -277,3 +277,28 @@ def test_structured_output_tools_and_sampling_fields_reach_the_replicas(replicas
         assert lp.status_code == 400 and lp.json()["error"]["param"] == "logprobs"
     finally:
         gw.stop()
+
+
+def test_a_gateway_learns_what_a_replica_given_by_its_v1_base_url_serves(replicas):
+    """`--backend http://host:port/v1` (an OpenAI client's base URL): the gateway strips
+    the /v1, asks the replica for its models and kind, names itself after its model, and
+    sends it the tier as tierserve reads it (its exact cost then reaches the bill)."""
+    from tierserve.router.remote import ReplicaSpec, discover
+    from tierserve.server.settings import ServerSettings
+
+    [spec] = ServerSettings.parse_backends([replicas[0].url + "/v1/"])
+    assert spec.url == replicas[0].url and spec.kind is None and spec.models == []
+    line = discover(spec)
+    assert spec.kind == "tierserve" and spec.models[0] == MODEL, line
+    assert "answered: tierserve (detected)" in line and "(learned)" in line
+    down = ReplicaSpec.parse("http://127.0.0.1:9/v1", 0)
+    line = discover(down, timeout_s=1)
+    assert down.kind == "vllm" and "did not answer" in line
+    gw = Gateway([spec])
+    try:
+        r = gw.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3,
+                                           extra_body={"service_tier": "priority"})
+        assert r.usage.model_extra["cost_details"]["machine_usd"] > 0
+        assert gw.backend.cost_checks  # billed at the replica's exact figure
+    finally:
+        gw.stop()

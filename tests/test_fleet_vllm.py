@@ -46,6 +46,14 @@ def stream_ttft(url: str, tier: str, max_tokens: int, i: int) -> float:
     return ttft
 
 
+def test_a_vllm_replica_is_found_to_be_one_and_its_models_learned(vllm):
+    from tierserve.router.remote import ReplicaSpec, discover
+
+    found = ReplicaSpec.parse(vllm + "/v1", 0)
+    line = discover(found)
+    assert found.kind == "vllm" and found.models == [MODEL], line
+
+
 def test_chat_completion_and_cost_through_vllm(vllm):
     gw = Gateway([spec(vllm)])
     try:

@@ -11,10 +11,15 @@ NOTE: the choices written here
     - Retries: a replica that cannot be reached or resets before answering is retried
       on the next endpoint, up to one per other replica (`connect-failure`,
       `refused-stream`, `reset`); Envoy never retries once the answer started.
-    - ext_proc: request headers and the whole request body (BUFFERED: the picker reads
-      the body to pick), response headers and the response body as it streams
-      (STREAMED: the meter reads the tokens as they pass); `upstream.address` asked for
-      with the response, so the picker learns which endpoint answered.
+    - Two ext_proc filters on the picker's one gRPC service. The first picks: request
+      headers and the whole request body (BUFFERED: the picker reads the body to pick);
+      the ids it sets on the request come back on the response by the route's
+      `response_headers_to_add` (`x-request-id`, `x-tierserve-served-tier`, and
+      `x-tierserve-endpoint`, the endpoint that answered). The second meters,
+      in observability mode, which Envoy does not wait for: the request headers (the
+      request id the first set) and the response as it streams, so no token waits on
+      the picker. `upstream.address` comes with its response headers, so the picker
+      learns which endpoint answered.
     - Failure mode: closed by default (`failure_mode_allow: false`; Envoy answers 500
       while the picker is down, as the Inference Extension's default FailClose); with
       `fail_open` requests go round-robin, untiered and unmetered, while it is down.
@@ -68,15 +73,32 @@ def bootstrap(endpoints: list[tuple[str, int]], listen: tuple[str, int],
                              "fallback_policy": _round_robin()}}}]}
         route["retry_policy"] = {"retry_on": "connect-failure,refused-stream,reset",
                                  "num_retries": max(1, len(endpoints) - 1)}
+        # what names the answer's ledger row and where it ran, from what the picker set on
+        # the request and the endpoint Envoy used (no round trip to the picker for it)
+        response_headers = [
+            {"header": {"key": key, "value": value}, "keep_empty_value": False,
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+            for key, value in (("x-request-id", "%REQ(x-tierserve-request-id)%"),
+                               ("x-tierserve-served-tier", "%REQ(x-tierserve-served-tier)%"),
+                               ("x-tierserve-endpoint", "%UPSTREAM_HOST%"))]
         timeout = f"{message_timeout_s:g}s"
+        grpc = {"envoy_grpc": {"cluster_name": "epp"}, "timeout": timeout}
         filters.append({"name": "envoy.filters.http.ext_proc", "typed_config": {
-            "@type": EXT_PROC,
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": timeout},
+            "@type": EXT_PROC, "grpc_service": grpc,
             "failure_mode_allow": bool(fail_open),
             "message_timeout": timeout, "max_message_timeout": timeout,
             "processing_mode": {"request_header_mode": "SEND",
-                                "response_header_mode": "SEND",
+                                "response_header_mode": "SKIP",
                                 "request_body_mode": "BUFFERED",
+                                "response_body_mode": "NONE",
+                                "request_trailer_mode": "SKIP",
+                                "response_trailer_mode": "SKIP"}}})
+        filters.append({"name": "envoy.filters.http.ext_proc.meter", "typed_config": {
+            "@type": EXT_PROC, "grpc_service": grpc, "observability_mode": True,
+            "failure_mode_allow": True,  # reading the answer never stops it
+            "processing_mode": {"request_header_mode": "SEND",
+                                "response_header_mode": "SEND",
+                                "request_body_mode": "NONE",
                                 "response_body_mode": "STREAMED",
                                 "request_trailer_mode": "SKIP",
                                 "response_trailer_mode": "SKIP"},
@@ -95,7 +117,9 @@ def bootstrap(endpoints: list[tuple[str, int]], listen: tuple[str, int],
     manager = {"@type": HCM, "stat_prefix": "inference", "http_filters": filters,
                "route_config": {"name": "inference", "virtual_hosts": [{
                    "name": "all", "domains": ["*"],
-                   "routes": [{"match": {"prefix": "/"}, "route": route}]}]}}
+                   "routes": [{"match": {"prefix": "/"}, "route": route,
+                               **({"response_headers_to_add": response_headers}
+                                  if picker is not None else {})}]}]}}
     out = {"static_resources": {
         "listeners": [{"name": "inference", "address": _address(*listen),
                        "filter_chains": [{"filters": [{

@@ -7,11 +7,11 @@ NOTE: one request's handoff
     The ext_proc handler opens a `Slot` before it submits the request. When the gateway
     releases it (router/flow.py, as in `tierserve serve --backend`), the fleet backend
     calls `stream(...)`: the slot's `sent` future gets (replica, the body to send) and
-    the handler answers Envoy with the destination. The handler then feeds what Envoy
-    shows of the answer: `feed` per response chunk (SSE events, or one JSON body for a
-    request that did not stream), `end` at its end, `fail` when the stream broke. So the
-    backend times, meters and finishes the request exactly as it does one it sent
-    itself; only who moves the bytes differs.
+    the handler answers Envoy with the destination. The meter's ext_proc stream then
+    feeds what Envoy shows of the answer: `feed` per response chunk (SSE events, or one
+    JSON body for a request that did not stream), `end` at its end. So the backend
+    times, meters and finishes the request exactly as it does one it sent itself; only
+    who moves the bytes differs.
 """
 
 import asyncio
@@ -23,6 +23,9 @@ from tierserve.errors import UpstreamError
 SCHEDULING_FIELDS = ("model", "priority", "vllm_xargs", "service_tier", "cache_salt")
 """What the gateway adds to or changes in a client's body for its replica; the rest of
 the client's body goes through as the client wrote it."""
+USAGE_COMMENT = b": usage "
+"""How a tierserve replica asked with `x-tierserve-usage: comment` gives a stream's usage
+the client did not ask for: an SSE comment, which clients skip."""
 _END = object()
 
 
@@ -39,35 +42,26 @@ class Slot:
     """Bytes not yet parsed (an SSE event split across chunks, or a whole JSON body)."""
 
     # ------------------------------------------------- the handler feeds these
-    def feed(self, data: bytes, strip_usage: bool = False) -> bytes:
-        """A response chunk: parsed for the meter; returned as the client should get it
-        (a stream's complete events, less the usage-only one where `strip_usage`; an
-        event split across chunks goes on whole with the chunk that completes it)."""
+    def feed(self, data: bytes) -> None:
+        """A response chunk, as Envoy saw it pass (an event split across chunks is read
+        once whole)."""
         self.raw += data
         if not self.stream or self.status != 200:
-            return data  # one JSON body (or an error): parsed at its end
-        out = bytearray()
+            return  # one JSON body (or an error): read at its end
         while True:
             cut = self.raw.find(b"\n\n")
             if cut < 0:
-                return bytes(out)
-            event = bytes(self.raw[:cut + 2])
+                return
+            event = bytes(self.raw[:cut])
             del self.raw[:cut + 2]
-            chunk = self._event(event)
-            if strip_usage and chunk is not None and not chunk.get("choices") \
-                    and chunk.get("usage"):
-                continue  # asked for by the gateway, not by the client
-            out += event
+            self._event(event)
 
-    def end(self) -> bytes:
-        """The answer ended: what is left to pass on (an unterminated last event)."""
-        rest = b""
+    def end(self) -> None:
         if self.status != 200:
             self.events.put_nowait(UpstreamError(_message(bytes(self.raw)), self.status))
         elif self.stream:
             if self.raw.strip():
-                rest = bytes(self.raw)
-                self._event(rest)
+                self._event(bytes(self.raw))
         else:
             try:
                 self.events.put_nowait(_as_chunk(json.loads(bytes(self.raw))))
@@ -75,20 +69,20 @@ class Slot:
                 self.events.put_nowait(UpstreamError("the replica's answer is not JSON", 502))
         self.raw.clear()
         self.events.put_nowait(_END)
-        return rest
 
-    def _event(self, event: bytes) -> dict | None:
-        found = None
+    def _event(self, event: bytes) -> None:
         for line in event.split(b"\n"):
             if line.startswith(b"data:"):
                 data = line[5:].strip()
-                if data and data != b"[DONE]":
-                    try:
-                        found = json.loads(data)
-                    except ValueError:
-                        continue  # not a chunk of ours (a comment, a keep-alive)
-                    self.events.put_nowait(found)
-        return found
+            elif line.startswith(USAGE_COMMENT):  # a tierserve replica's usage, unasked
+                data = line[len(USAGE_COMMENT):].strip()
+            else:
+                continue
+            if data and data != b"[DONE]":
+                try:
+                    self.events.put_nowait(json.loads(data))
+                except ValueError:
+                    continue  # not a chunk of ours
 
 
 def _as_chunk(body: dict) -> dict:
@@ -140,17 +134,9 @@ class Handoff:
 
     @staticmethod
     def body(slot: Slot, built: dict) -> dict:
-        """The client's body with the gateway's scheduling fields for this replica (and
-        usage in the stream, which the meter reads; epp/service.py takes that chunk out
-        again where the client did not ask for it)."""
-        out = {k: v for k, v in slot.client_body.items()
-               if k not in SCHEDULING_FIELDS or k == "model"}
+        """The client's body with the gateway's scheduling fields for this replica. The
+        stream itself is never changed: usage is in it where the client asked for it
+        (else counted from the chunks, or a tierserve replica's usage comment)."""
+        out = {k: v for k, v in slot.client_body.items() if k not in SCHEDULING_FIELDS}
         out.update({k: built[k] for k in SCHEDULING_FIELDS if k in built})
-        if slot.stream:
-            out["stream_options"] = {**(slot.client_body.get("stream_options") or {}),
-                                     "include_usage": True}
         return out
-
-    @staticmethod
-    def wants_usage(slot: Slot) -> bool:
-        return bool((slot.client_body.get("stream_options") or {}).get("include_usage"))

@@ -51,6 +51,13 @@ DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "upstream.address"
 """The ext_proc attribute Envoy fills with the endpoint that answered."""
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+METER_GRACE_S = 10.0
+"""How long after the pick's stream ends its metering stream may still take it over."""
+REQUEST_ID = "x-tierserve-request-id"
+"""The request header the pick sets, by which the metering stream finds its request (and
+which Envoy copies to the response as `x-request-id`: envoy.py)."""
+SERVED_TIER = "x-tierserve-served-tier"
+"""Set on the request; Envoy copies it to the response."""
 
 
 RESOLVE_TTL_S = 10.0
@@ -119,6 +126,8 @@ class _Exchange:
         self.drain: asyncio.Task | None = None
         self.tier = None
         self.ended = False
+        self.metered = False
+        """A metering stream (the second filter) took the answer over."""
 
     # ----------------------------------------------------------- request
     def request_headers(self, msg) -> pb.ProcessingResponse:
@@ -177,6 +186,7 @@ class _Exchange:
         await asyncio.wait({self.slot.sent, self.drain}, return_when=asyncio.FIRST_COMPLETED)
         if not self.slot.sent.done():  # refused or failed before it was released
             self.ended = True
+            self._forget()
             exc = self.drain.exception() if not self.drain.cancelled() else None
             raise exc if isinstance(exc, TierserveError) else InvalidRequestError(
                 f"the request ended before a replica was chosen: {exc}")
@@ -189,7 +199,11 @@ class _Exchange:
         data = json.dumps(upstream).encode()
         common = pb.CommonResponse(status=pb.CommonResponse.CONTINUE_AND_REPLACE,
                                    body_mutation=pb.BodyMutation(body=data))
+        self.picker.exchanges[self.rid] = self
         _set_headers(common, {DESTINATION: targets, "content-length": len(data),
+                              REQUEST_ID: self.rid, SERVED_TIER: self.tier.label,
+                              **({"x-tierserve-usage": "comment"}
+                                 if spec.kind == "tierserve" else {}),
                               **({"authorization": f"Bearer {spec.api_key}"}
                                  if spec.api_key else {})})
         meta = struct_pb2.Struct()
@@ -205,61 +219,79 @@ class _Exchange:
         finally:
             self.run.close()
 
-    # ---------------------------------------------------------- response
-    def response_headers(self, msg) -> pb.ProcessingResponse:
-        common = _continue()
-        if self.slot is not None:
-            status = next((h.raw_value.decode() or h.value
-                           for h in msg.response_headers.headers.headers
-                           if h.key == ":status"), "200")
-            self.slot.status = int(status) if status.isdigit() else 502
-            served = self._served(msg)
-            if served is not None:
-                self.picker.moved(self.rid, served)
-            headers = {"x-request-id": self.rid, "x-tierserve-served-tier": self.tier.label}
-            replica = self.picker.backend.replica_of(self.rid)
-            if replica is not None:
-                headers["x-tierserve-replica"] = replica
-            _set_headers(common, headers)
-            if msg.response_headers.end_of_stream:
-                self._end()
-        return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
+    # ------------------------------------------ what the metering stream tells
+    def status(self, msg) -> None:
+        status = next((h.raw_value.decode() or h.value
+                       for h in msg.response_headers.headers.headers
+                       if h.key == ":status"), "200")
+        self.slot.status = int(status) if status.isdigit() else 502
+        served = _served(msg)
+        if served is not None:
+            self.picker.moved(self.rid, served)
+        if msg.response_headers.end_of_stream:
+            self.end()
 
-    @staticmethod
-    def _served(msg) -> str | None:
-        for attrs in msg.attributes.values():
-            if SERVED in attrs.fields:
-                return attrs.fields[SERVED].string_value or None
-        return None
+    def chunk(self, msg) -> None:
+        self.slot.feed(msg.response_body.body)
+        if msg.response_body.end_of_stream:
+            self.end()
 
-    def response_body(self, msg) -> pb.ProcessingResponse:
-        common = _continue()
-        if self.slot is not None and not self.ended:
-            chunk = msg.response_body.body
-            out = self.slot.feed(chunk, strip_usage=not Handoff.wants_usage(self.slot))
-            if msg.response_body.end_of_stream:
-                out += self._end()
-            if out != chunk:
-                common.body_mutation.body = out
-        return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
-
-    def _end(self) -> bytes:
-        self.ended = True
-        return self.slot.end()
-
-    def closed(self) -> None:
-        """The stream is over: an answer that did not end was cut (the client went away,
-        or the replica broke): the request ends as aborted, billed for what it ran."""
-        if self.run is not None and not self.ended:
+    def end(self) -> None:
+        if not self.ended:
             self.ended = True
-            self.run.close()
+            self.slot.end()
+            self._forget()
+
+    def abort(self) -> None:
+        """The answer did not end (the client went away, or the replica broke): the
+        request ends as aborted, billed for what it ran."""
+        if not self.ended:
+            self.ended = True
+            if self.run is not None:
+                self.run.close()
+            self._forget()
+
+    def _forget(self) -> None:
         if self.rid is not None:
             self.picker.handoff.close(self.rid)
+            self.picker.exchanges.pop(self.rid, None)
+
+    def closed(self) -> None:
+        """The pick's stream is over (it ends once the body is answered). The metering
+        stream's messages are not waited for by Envoy, so they may come later: an answer
+        no metering stream took over within METER_GRACE_S ends as cut (said once)."""
+        if self.metered or self.ended or self.run is None:
+            if self.run is None:
+                self._forget()
+            return
+        asyncio.get_running_loop().call_later(METER_GRACE_S, self._unmetered)
+
+    def _unmetered(self) -> None:
+        if self.metered or self.ended:
+            return
+        if not self.picker.warned:
+            self.picker.warned = True
+            log.warning("no metering stream for %s: is the second ext_proc filter "
+                        "(observability mode) missing from Envoy's config? (tierserve epp "
+                        "--print-envoy-config writes both); its answer is billed as cut",
+                        self.rid)
+        self.abort()
+
+
+def _served(msg) -> str | None:
+    for attrs in msg.attributes.values():
+        if SERVED in attrs.fields:
+            return attrs.fields[SERVED].string_value or None
+    return None
 
 
 class Picker(pb_grpc.ExternalProcessorServicer):
     def __init__(self, state, backend, handoff: Handoff):
         self.state, self.backend, self.handoff = state, backend, handoff
+        self.warned = False
+        self.exchanges: dict[str, _Exchange] = {}
+        """Requests placed and not yet ended, by request id (the metering stream finds
+        its request here)."""
 
     def moved(self, request_id: str, address: str) -> None:
         for name, spec in self.backend.specs.items():
@@ -272,20 +304,45 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("request")
+                if msg.observability_mode:  # the metering filter's stream: nothing to answer
+                    await self._meter(msg, kind, request_iterator)
+                    return
                 if kind == "request_headers":
                     yield ex.request_headers(msg)
+                    if msg.request_headers.end_of_stream:
+                        return  # no body: nothing to pick (the fallback policy serves it)
                 elif kind == "request_body":
                     yield await ex.request_body(msg)
-                elif kind == "response_headers":
-                    yield ex.response_headers(msg)
-                elif kind == "response_body":
-                    yield ex.response_body(msg)
-                elif kind == "request_trailers":
-                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-                elif kind == "response_trailers":
-                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+                    if msg.request_body.end_of_stream:
+                        return  # picked: the metering stream reads the answer
+                else:  # not asked for in the config this service writes
+                    yield pb.ProcessingResponse()
         finally:
             ex.closed()
+
+    async def _meter(self, first, kind: str, messages) -> None:
+        """The second ext_proc filter's stream (observability mode: Envoy does not wait
+        for it): the request's id in its headers, then the answer as it passes."""
+        ex = None
+        if kind == "request_headers":
+            rid = next((h.raw_value.decode() or h.value
+                        for h in first.request_headers.headers.headers
+                        if h.key == REQUEST_ID), None)
+            ex = self.exchanges.get(rid)
+        if ex is None:
+            return  # not a request the picker placed: the stream is closed at once
+        ex.metered = True
+        try:
+            async for msg in messages:
+                kind = msg.WhichOneof("request")
+                if kind == "response_headers":
+                    ex.status(msg)
+                elif kind == "response_body":
+                    ex.chunk(msg)
+                if ex.ended:  # close it now: Envoy would keep it open a while longer
+                    return
+        finally:
+            ex.abort()  # a no-op once it ended
 
 
 async def start(state, backend, handoff: Handoff, host: str, port: int):

@@ -98,6 +98,8 @@ class FleetBackend:
         `transport(request_id, spec, path, body)`: the replica's answer as chunk dicts
         (default: this gateway sends the request itself; the endpoint picker's hands it
         to Envoy, epp/handoff.py)."""
+        for s in specs:
+            s.kind = s.kind or "vllm"  # not asked (discover): vLLM's protocol
         for s in specs:  # one gateway serves one model: never send it to another one
             if len(s.models) > 1 and model_name not in s.models:
                 raise ConfigError(f"replica {s.name} serves {', '.join(s.models)}, not this "
@@ -362,6 +364,9 @@ class FleetBackend:
             log.warning("replica %s: no exact cost for %s (%s); billed as estimated",
                         spec.name, rid, exc)
             return None
+        if record is not None and "output_tokens" in record:  # the engine's own counts
+            self.accounting.usage(req.stats, record["prompt_tokens"],
+                                  record.get("cached_tokens", 0), record["output_tokens"])
         meter = self.meters.get(spec.name)
         if record is not None and meter is not None:  # its machine time, at our price
             pps = meter.price_per_second

@@ -32,8 +32,9 @@ class ReplicaSpec:
     """Base URL, e.g. http://10.0.0.5:8000 (the /v1 routes are below it)."""
     models: list[str] = field(default_factory=list)
     """Model names it serves; the first is sent upstream (empty: the gateway's name)."""
-    kind: str = "vllm"
-    """vllm, tierserve or openai (see the module docstring)."""
+    kind: str | None = None
+    """vllm, tierserve or openai (see the module docstring); None: asked of the replica
+    at start (`discover`), vllm where it does not answer."""
     api_key: str | None = None
     """Bearer key the gateway sends to it."""
     price_per_hour: float | None = None
@@ -50,7 +51,7 @@ class ReplicaSpec:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"backend url must start with http:// or https://, got "
                               f"{self.url!r}")
-        if self.kind not in KINDS:
+        if self.kind is not None and self.kind not in KINDS:
             raise ConfigError(f"backend {self.url}: kind must be one of {', '.join(KINDS)}, "
                               f"got {self.kind!r}")
         if self.max_num_seqs < 1:
@@ -75,9 +76,43 @@ class ReplicaSpec:
             raise ConfigError(f"backends[{index}]: expected a URL or {{url: ..., ...}}, got "
                               f"{raw!r}")
         spec.url = spec.url.rstrip("/")
+        if spec.url.endswith("/v1"):  # a base URL as OpenAI clients take it
+            spec.url = spec.url[:-3]
         spec.name = spec.name or f"r{index}"
         spec.validate()
         return spec
+
+
+def discover(spec: ReplicaSpec, timeout_s: float = 3.0) -> str:
+    """Ask a replica what the config did not say: the models it serves (its /v1/models)
+    and its kind (the models' `owned_by`: tierserve, vllm, else openai). Returns the
+    start-up log's line for it."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+    try:
+        r = httpx.get(spec.url + "/v1/models", headers=headers, timeout=timeout_s)
+        data = r.json()["data"] if r.status_code == 200 else None
+        if not isinstance(data, list):
+            raise ValueError(f"/v1/models answered {r.status_code}")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        known = spec.kind is not None
+        spec.kind = spec.kind or "vllm"
+        return (f"replica {spec.name} ({spec.url}) did not answer /v1/models "
+                f"({type(exc).__name__}: {exc}); {'kind' if known else 'taken as'} "
+                f"{spec.kind}" + ("" if spec.models else ", serving the gateway's model"))
+    owners = {m.get("owned_by") for m in data if isinstance(m, dict)}
+    found = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    detected = spec.kind is None
+    if detected:
+        spec.kind = "tierserve" if "tierserve" in owners else \
+            "vllm" if "vllm" in owners else "openai"
+    learned = not spec.models
+    if learned:
+        spec.models = found
+    return (f"replica {spec.name} ({spec.url}) answered: {spec.kind}"
+            f"{' (detected)' if detected else ''}, serves {', '.join(spec.models) or 'nothing'}"
+            f"{' (learned)' if learned else ''}")
 
 
 class ReplicaDown(Exception):

@@ -293,7 +293,7 @@ def create_app(backend: Backend | None, settings: ServerSettings,
         choice = routing.choose(state, body, tenant)
         return await completions.serve(
             state, "chat", body, completions.prompts(state, body, choice.served.backend),
-            tenant, choice, _wants_notice(request))
+            tenant, choice, _wants_notice(request), _wants_usage_comment(request))
 
     @app.post("/v1/completions")
     async def text_completions(body: CompletionRequest, request: Request):
@@ -305,9 +305,16 @@ def create_app(backend: Backend | None, settings: ServerSettings,
         choice = routing.choose(state, body, tenant)
         return await completions.serve(
             state, "completion", body, completions.prompts(state, body, choice.served.backend),
-            tenant, choice, _wants_notice(request))
+            tenant, choice, _wants_notice(request), _wants_usage_comment(request))
 
     return app
+
+
+def _wants_usage_comment(request: Request) -> bool:
+    """`x-tierserve-usage: comment`: a stream that did not ask for usage ends with it in an
+    SSE comment, which clients skip (how an endpoint picker meters a stream it must not
+    change, epp/service.py)."""
+    return request.headers.get("x-tierserve-usage", "").lower() == "comment"
 
 
 def _wants_notice(request: Request) -> bool:

@@ -186,9 +186,10 @@ def echoes(body, prompts: list, backend: Backend) -> list[str] | None:
 
 
 async def serve(state, kind: str, body, found: list, tenant: Tenant, choice: Choice,
-                notice: bool = False):
+                notice: bool = False, usage_comment: bool = False):
     """Answer one HTTP request, whole or as a stream. `notice`: a stream routed to a
-    batched tier opens with a `tierserve.route` event (the client asked for it)."""
+    batched tier opens with a `tierserve.route` event (the client asked for it);
+    `usage_comment`: a stream without usage asked for ends with it in an SSE comment."""
     echo = echoes(body, found, choice.served.backend)
     rid = fmt.new_id("chatcmpl" if kind == "chat" else "cmpl")
     run, tier = await start(state, body, found, tenant, rid, choice)
@@ -205,7 +206,7 @@ async def serve(state, kind: str, body, found: list, tenant: Tenant, choice: Cho
         return StreamingResponse(_sse(run, events, first, kind, rid, choice.served.name, tier,
                                       body, len(found), echo, run.backend.tokenizer,
                                       opening=route_opening(choice, tier, notice) if slow
-                                      else None),
+                                      else None, usage_comment=usage_comment),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "x-request-id": rid,
                                           "x-tierserve-served-tier": tier.label,
@@ -235,7 +236,7 @@ def route_opening(choice: Choice, tier: Tier, notice: bool) -> str:
 
 async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str, tier: Tier,
                body, num_prompts: int, echo: list[str] | None = None, tokenizer=None,
-               opening: str | None = None):
+               opening: str | None = None, usage_comment: bool = False):
     """SSE chunks of `events` (run.outputs(), whose first item may already be in `first`);
     with `echo`, a choice's first chunk starts with its prompt; `opening` comes first."""
     if opening:
@@ -274,9 +275,10 @@ async def _sse(run: "ChoiceRun", events, first, kind: str, rid: str, model: str,
                 finals[index] = out
                 yield fmt.chunk(kind, rid, model, tier, index, None, reason,
                                 include_usage=include_usage)
-        if include_usage:
+        if include_usage or usage_comment:
             outputs = [finals[i] for i in range(len(run.request_ids))]
-            yield fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)
+            usage = fmt.usage_chunk(kind, rid, model, tier, outputs, num_prompts)
+            yield usage if include_usage else ": usage " + usage[len("data: "):]
         await run.state.recorder.committed()  # [DONE] only once billed
         yield "data: [DONE]\n\n"
     except Exception as exc:  # under way: the stream ends with an error event, not a cut

@@ -102,6 +102,11 @@ def build(args):
         if key in extra:
             setattr(settings, key, int(extra[key]))
     settings.validate()
+    if settings.backends:  # what the replicas serve and are, where the config is silent
+        from tierserve.router.remote import discover
+
+        for spec in settings.backends:
+            print(f"tierserve: {discover(spec)}", file=sys.stderr, flush=True)
     config = engine_config_from_args(args)
     if "slo" in extra:
         from tierserve.llm import parse_slo
