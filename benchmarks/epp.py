@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
+from tierserve.bench.loopback import free_port  # noqa: E402
+from tierserve.core.stats import percentile  # noqa: E402
 from tierserve.epp.envoy import bootstrap  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -51,17 +52,9 @@ ENVOY = Path(sys.executable).parent / "envoy"
 PROFILE = REPO / "src" / "tierserve" / "hardware" / "profiles" / "cpu" / "smollm2-135m.json"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pct(values, q):
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+    """The q-th percentile (0-100) of the values measured (None: none)."""
+    return percentile(values, q / 100)
 
 
 class Proc:

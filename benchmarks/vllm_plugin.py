@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,9 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from tierserve.bench.loopback import free_port
+from tierserve.core.stats import percentile
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,17 +52,27 @@ PLUGIN = ["--scheduler-cls", "tierserve.vllm.TieredScheduler",
 POLICY = {"default": ["--scheduling-policy", "fcfs"], "priority": [], "plugin": PLUGIN}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pct(values, q):
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+    """The q-quantile (0-1) of the values measured (nan: none, which prints as such)."""
+    found = percentile(values, q)
+    return float("nan") if found is None else found
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, log: str,
+                 timeout_s: float, every_s: float) -> None:
+    """Until `url`/health answers 200; a process that exits first, or a timeout, fails."""
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        assert proc.poll() is None, f"{what} exited: see {log}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(every_s)
+    raise RuntimeError(f"{what} not healthy in {timeout_s:.0f} s")
 
 
 class Replica:
@@ -74,17 +86,7 @@ class Replica:
         self.proc = subprocess.Popen([str(REPO / "scripts" / "vllm_replica.sh"), "serve",
                                       str(self.port), *extra], cwd=REPO, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            assert self.proc.poll() is None, f"vLLM ({config}) exited: see {self.log.name}"
-            try:
-                import urllib.request
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(1)
-        raise RuntimeError(f"vLLM ({config}) not healthy in 10 minutes")
+        wait_healthy(self.url, self.proc, f"vLLM ({config})", self.log.name, 600, 1.0)
 
     def stop(self):
         for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
@@ -115,17 +117,7 @@ class GatewayProcess:
              "--config", str(config), "--served-model-name", MODEL, "--ledger",
              str(self.ledger), "--no-batches", "--disable-uvicorn-access-log"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            assert self.proc.poll() is None, f"the gateway exited: see {self.log.name}"
-            try:
-                import urllib.request
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise RuntimeError("the gateway did not start")
+        wait_healthy(self.url, self.proc, "the gateway", self.log.name, 120, 0.3)
 
     def stop(self):
         try:

@@ -40,7 +40,7 @@ def test_a_streamed_answer_is_read_whole_wherever_envoy_cuts_it():
            b"data: [DONE]\n\n")
 
     async def run(cut: int):
-        slot = Slot({"stream": True}, stream=True)
+        slot = Slot({"stream": True})
         slot.feed(raw[:cut])
         slot.feed(raw[cut:])
         slot.end()
@@ -61,7 +61,7 @@ def test_the_replica_gets_the_clients_body_with_the_gateways_scheduling_fields()
 
     async def body():
         slot = Slot({"model": "m", "prompt": "hi", "stream": True, "service_tier": "flex",
-                     "logprobs": 2, "stream_options": {"include_usage": False}}, stream=True)
+                     "logprobs": 2, "stream_options": {"include_usage": False}})
         return Handoff.body(slot, {"model": "replica-name", "service_tier": "flex",
                                    "priority": 0, "prompt": "rewritten", "stream": True})
 

@@ -36,10 +36,14 @@ class Slot:
                                  .create_future())
     """Resolves to (ReplicaSpec, the body to send) when the gateway releases it."""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    stream: bool = False
     status: int = 200
     raw: bytearray = field(default_factory=bytearray)
     """Bytes not yet parsed (an SSE event split across chunks, or a whole JSON body)."""
+
+    @property
+    def stream(self) -> bool:
+        """The client asked for a stream (the replica answers as the client asked)."""
+        return bool(self.client_body.get("stream"))
 
     # ------------------------------------------------- the handler feeds these
     def feed(self, data: bytes) -> None:
@@ -112,7 +116,7 @@ class Handoff:
         self.slots: dict[str, Slot] = {}
 
     def open(self, request_id: str, client_body: dict) -> Slot:
-        slot = Slot(dict(client_body), stream=bool(client_body.get("stream")))
+        slot = Slot(dict(client_body))
         self.slots[request_id] = slot
         return slot
 

@@ -6,13 +6,9 @@ from tierserve.errors import ConfigError
 
 def print_envoy_config(args, settings) -> int:
     from tierserve.epp.envoy import bootstrap, dump
-    from tierserve.epp.service import endpoint
+    from tierserve.epp.service import address
 
-    def pair(address: str) -> tuple[str, int]:
-        host, _, port = address.rpartition(":")
-        return host.strip("[]"), int(port)
-
-    endpoints = [pair(endpoint(s.url)) for s in settings.backends]
+    endpoints = [address(s.url) for s in settings.backends]
     admin = (settings.host, args.envoy_admin_port) if args.envoy_admin_port else None
     print(dump(bootstrap(endpoints, (settings.host, args.envoy_port),
                          (settings.host, args.grpc_port), admin, args.fail_open)), end="")

@@ -66,8 +66,8 @@ its IP changes when it is rescheduled)."""
 _resolved: dict[str, tuple[float, str]] = {}
 
 
-def endpoint(url: str) -> str:
-    """A replica URL's `IP:port`, as Envoy names its endpoints (a DNS name resolved, at
+def address(url: str) -> tuple[str, int]:
+    """A replica URL's (IP, port), as Envoy names its endpoints (a DNS name resolved, at
     most every RESOLVE_TTL_S)."""
     import ipaddress
     import socket
@@ -88,17 +88,34 @@ def endpoint(url: str) -> str:
                 seen = seen or (now, host)  # unknown for now: Envoy will not find it
             _resolved[host] = seen
         host = seen[1]
+    return host, port
+
+
+def endpoint(url: str) -> str:
+    """A replica URL's `IP:port`, Envoy's name for the endpoint."""
+    host, port = address(url)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _value(h) -> str:
+    """A HeaderValue's value (Envoy sends it as raw bytes)."""
+    return h.raw_value.decode() if h.raw_value else h.value
+
+
+def _header(headers, key: str, default: str | None = None) -> str | None:
+    """The value of header `key` in an ext_proc HeaderMap."""
+    return next((_value(h) for h in headers.headers if h.key == key), default)
 
 
 def _continue() -> pb.CommonResponse:
     return pb.CommonResponse()
 
 
-def _set_headers(common: pb.CommonResponse, headers: dict) -> None:
-    for k, v in headers.items():  # replacing the replica's own (its x-request-id)
-        common.header_mutation.set_headers.add(
-            header=base_pb2.HeaderValue(key=k, raw_value=str(v).encode()),
+def _set_headers(mutation, headers: dict) -> None:
+    """Set `headers` in an ext_proc HeaderMutation, replacing any of the same name."""
+    for k, v in headers.items():
+        mutation.set_headers.add(
+            header=base_pb2.HeaderValue(key=k.lower(), raw_value=str(v).encode()),
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
@@ -106,10 +123,9 @@ def _immediate(exc: Exception) -> pb.ProcessingResponse:
     r = error_response(exc)
     out = pb.ImmediateResponse(status=http_status_pb2.HttpStatus(code=r.status_code),
                                body=bytes(r.body), details="tierserve_epp")
-    for k, v in {"content-type": "application/json", **{
-            k: v for k, v in r.headers.items() if k.lower() not in ("content-length",
-                                                                     "content-type")}}.items():
-        out.headers.set_headers.add(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()))
+    _set_headers(out.headers, {"content-type": "application/json", **{
+        k: v for k, v in r.headers.items() if k.lower() not in ("content-length",
+                                                                 "content-type")}})
     return pb.ProcessingResponse(immediate_response=out)
 
 
@@ -132,7 +148,7 @@ class _Exchange:
     # ----------------------------------------------------------- request
     def request_headers(self, msg) -> pb.ProcessingResponse:
         for h in msg.request_headers.headers.headers:
-            self.headers[h.key.lower()] = h.raw_value.decode() if h.raw_value else h.value
+            self.headers[h.key.lower()] = _value(h)
         return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=_continue()))
 
     async def request_body(self, msg) -> pb.ProcessingResponse:
@@ -200,12 +216,10 @@ class _Exchange:
         common = pb.CommonResponse(status=pb.CommonResponse.CONTINUE_AND_REPLACE,
                                    body_mutation=pb.BodyMutation(body=data))
         self.picker.exchanges[self.rid] = self
-        _set_headers(common, {DESTINATION: targets, "content-length": len(data),
-                              REQUEST_ID: self.rid, SERVED_TIER: self.tier.label,
-                              **({"x-tierserve-usage": "comment"}
-                                 if spec.kind == "tierserve" else {}),
-                              **({"authorization": f"Bearer {spec.api_key}"}
-                                 if spec.api_key else {})})
+        _set_headers(common.header_mutation, {
+            DESTINATION: targets, "content-length": len(data), REQUEST_ID: self.rid,
+            SERVED_TIER: self.tier.label, **spec.auth_headers,
+            **({"x-tierserve-usage": "comment"} if spec.kind == "tierserve" else {})})
         meta = struct_pb2.Struct()
         meta.update({"envoy.lb": {DESTINATION: targets}})
         return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
@@ -221,9 +235,7 @@ class _Exchange:
 
     # ------------------------------------------ what the metering stream tells
     def status(self, msg) -> None:
-        status = next((h.raw_value.decode() or h.value
-                       for h in msg.response_headers.headers.headers
-                       if h.key == ":status"), "200")
+        status = _header(msg.response_headers.headers, ":status", "200")
         self.slot.status = int(status) if status.isdigit() else 502
         served = _served(msg)
         if served is not None:
@@ -325,9 +337,7 @@ class Picker(pb_grpc.ExternalProcessorServicer):
         for it): the request's id in its headers, then the answer as it passes."""
         ex = None
         if kind == "request_headers":
-            rid = next((h.raw_value.decode() or h.value
-                        for h in first.request_headers.headers.headers
-                        if h.key == REQUEST_ID), None)
+            rid = _header(first.request_headers.headers, REQUEST_ID)
             ex = self.exchanges.get(rid)
         if ex is None:
             return  # not a request the picker placed: the stream is closed at once

@@ -331,11 +331,6 @@ class FleetBackend:
                     self._finish(req, "error" if error else reason, error)
             self._wake.set()
 
-    def replica_of(self, request_id: str) -> str | None:
-        """The replica an unfinished request is on (None: queued, or done)."""
-        req = self._requests.get(request_id)
-        return req.pending.replica.name if req is not None and req.pending.replica else None
-
     def moved(self, request_id: str, name: str) -> None:
         """The request was sent to replica `name`, not the one it was given (Envoy retried
         it on the next endpoint the picker named): that one failed before answering."""
@@ -358,7 +353,7 @@ class FleetBackend:
         rid = req.pending.request_id
         try:
             r = await self._client.get(f"{spec.url}/tierserve/v1/costs", params={"ids": rid},
-                                       headers=self._auth(spec), timeout=5.0)
+                                       headers=spec.auth_headers, timeout=5.0)
             record = r.json()["data"].get(rid) if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             log.warning("replica %s: no exact cost for %s (%s); billed as estimated",
@@ -373,10 +368,6 @@ class FleetBackend:
             self.accounting.reported_cost(req.stats, RequestCost(
                 record["prefill_machine_s"] * pps, record["decode_machine_s"] * pps))
         return record
-
-    @staticmethod
-    def _auth(spec: remote.ReplicaSpec) -> dict:
-        return {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
 
     def _upstream(self, req: _Request, spec: remote.ReplicaSpec) -> tuple[str, dict]:
         p = req.params
@@ -460,7 +451,7 @@ class FleetBackend:
         """One health check: /health, vLLM's /metrics, and (once, for a vLLM replica)
         whether tierserve's plugin runs there."""
         spec = self.specs[replica.name]
-        headers = self._auth(spec)
+        headers = spec.auth_headers
         was = replica.healthy
         try:
             r = await self._client.get(spec.url + "/health", headers=headers,

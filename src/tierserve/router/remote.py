@@ -47,6 +47,11 @@ class ReplicaSpec:
     """kind vllm: runs tierserve's scheduler plugin (None: ask the replica)."""
     name: str = ""
 
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """The header that authenticates the gateway to it (none without `api_key`)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def validate(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ConfigError(f"backend url must start with http:// or https://, got "
@@ -89,9 +94,8 @@ def discover(spec: ReplicaSpec, timeout_s: float = 3.0) -> str:
     start-up log's line for it."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
     try:
-        r = httpx.get(spec.url + "/v1/models", headers=headers, timeout=timeout_s)
+        r = httpx.get(spec.url + "/v1/models", headers=spec.auth_headers, timeout=timeout_s)
         data = r.json()["data"] if r.status_code == 200 else None
         if not isinstance(data, list):
             raise ValueError(f"/v1/models answered {r.status_code}")
@@ -166,9 +170,7 @@ async def stream(client: aiohttp.ClientSession, spec: ReplicaSpec, path: str,
                  body: dict) -> AsyncIterator[dict]:
     """The replica's SSE chunks, parsed. Raises ReplicaDown (connection, 5xx) or
     UpstreamError (the replica refused the request: 4xx, passed on)."""
-    headers = {"Content-Type": "application/json"}
-    if spec.api_key:
-        headers["Authorization"] = f"Bearer {spec.api_key}"
+    headers = {"Content-Type": "application/json", **spec.auth_headers}
     raw_body = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
     try:
         async with client.post(spec.url + path, data=raw_body, headers=headers) as r:
