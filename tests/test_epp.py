@@ -135,7 +135,9 @@ def stack(tmp_path_factory):
     config.write_text(yaml.safe_dump({
         "backends": [{"url": r.url, "name": r.name, "kind": "tierserve", "models": [MODEL],
                       "max_num_seqs": SEQS, "price_per_hour": PRICE} for r in replicas],
-        "fleet": {"reserved_priority_seqs": 1}}))
+        # health checks rare: a replica killed is found by the requests sent to it (Envoy
+        # retries them), not by a check that may come first
+        "fleet": {"reserved_priority_seqs": 1, "health_interval_s": 60}}))
     port, grpc_port = free_port(), free_port()
     ledger = tmp / "ledger.db"
     epp = _Proc([sys.executable, "-m", "tierserve.cli", "epp", "--config", str(config),

@@ -95,6 +95,7 @@ def build(args):
         data_dir=args.data_dir, batch_max_in_flight=args.batch_max_in_flight,
         backends=ServerSettings.parse_backends(args.backend or extra.get("backends", [])),
         fleet=ServerSettings.parse_fleet(extra.get("fleet", {})),
+        health_interval_s=ServerSettings.parse_health_interval(extra.get("fleet", {})),
         disable_fastapi_docs=bool(args.disable_fastapi_docs))
     if "queue_limits" in extra:
         settings.queue_limits.update(extra["queue_limits"])
@@ -199,7 +200,7 @@ def build_fleet(settings, config, name: str, say, transport=None):
     say(f"fleet mode: {len(settings.backends)} replica(s) "
         f"({', '.join(f'{s.name}={s.url} ({s.kind})' for s in settings.backends)})")
     return FleetBackend(settings.backends, name, model, flow, tiers.slo, tokenizer,
-                        transport=transport)
+                        health_interval_s=settings.health_interval_s, transport=transport)
 
 
 async def build_engines(config, say):

@@ -130,6 +130,9 @@ class ServerSettings:
     """Fleet mode: remote replicas (router.remote.ReplicaSpec); empty: the in-process
     engine."""
     fleet: FlowConfig = field(default_factory=FlowConfig)
+    health_interval_s: float = 2.0
+    """Fleet mode: seconds between health checks of each replica (YAML `fleet:
+    {health_interval_s: N}`)."""
     """Fleet mode's flow control (router.flow.FlowConfig)."""
     disable_fastapi_docs: bool = False
     """Serve no /docs, /redoc or /openapi.json."""
@@ -196,13 +199,23 @@ class ServerSettings:
 
     @staticmethod
     def parse_fleet(raw: dict) -> FlowConfig:
-        """YAML `fleet: {reserved_priority_seqs: 4, decrease: 0.7, ...}` (FlowConfig)."""
+        """YAML `fleet: {reserved_priority_seqs: 4, decrease: 0.7, ...}` (FlowConfig; its
+        `health_interval_s` is read by `parse_health_interval`)."""
         if not isinstance(raw, dict):
             raise ConfigError(f"fleet: expected a mapping, got {raw!r}")
+        raw = {k: v for k, v in raw.items() if k != "health_interval_s"}
         unknown = set(raw) - set(FlowConfig.__dataclass_fields__)
         if unknown:
             raise ConfigError(f"fleet: unknown key {sorted(unknown)[0]!r}")
         return FlowConfig(**raw)
+
+    @staticmethod
+    def parse_health_interval(raw: dict) -> float:
+        """YAML `fleet: {health_interval_s: N}`: seconds between replica health checks."""
+        value = (raw or {}).get("health_interval_s", 2.0) if isinstance(raw, dict) else 2.0
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"fleet: health_interval_s must be a number > 0, got {value!r}")
+        return float(value)
 
     @staticmethod
     def parse_budgets(raw: dict) -> dict[str, Budget]:
