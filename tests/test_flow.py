@@ -230,13 +230,13 @@ def test_the_simulated_fleet_runs_the_gateways_own_code():
 
 
 def test_a_replica_of_another_model_is_a_config_error():
-    """One gateway serves one model: a replica listing several models, none of them the
+    """A pool serves one model: a replica listing several models, none of them the
     gateway's, would get requests for a model it may not be serving."""
     from tierserve.errors import ConfigError
     from tierserve.router.fleet import FleetBackend
     from tierserve.router.remote import ReplicaSpec, upstream_body
     two = ReplicaSpec("http://127.0.0.1:1", ["llama", "qwen"], "vllm", name="a")
-    with pytest.raises(ConfigError, match="one gateway serves one model"):
+    with pytest.raises(ConfigError, match="one pool serves one model"):
         FleetBackend([two], "smol", MODEL)
     FleetBackend([two], "qwen", MODEL)  # it lists the gateway's model: that one is sent
     assert upstream_body(two, "/v1/completions", {}, "qwen", Tier.DEFAULT, 0)["model"] == "qwen"

@@ -54,9 +54,9 @@ class PermissionDeniedError(TierserveError):
 class NotFoundError(TierserveError):
     """Unknown model, file, batch or route."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 class ConflictError(TierserveError):
@@ -95,3 +95,11 @@ class ReplicaUnavailableError(TierserveError):
     def __init__(self, message: str, code: str = "replica_unavailable"):
         super().__init__(message)
         self.code = code
+
+
+class LoadingError(TierserveError):
+    """The server is up but its model (or its replicas) not yet: retry after a while."""
+
+    def __init__(self, message: str, retry_after_s: int = 5, code: str = "model_loading"):
+        super().__init__(message)
+        self.retry_after_s, self.code = retry_after_s, code

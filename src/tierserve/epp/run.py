@@ -24,6 +24,10 @@ def run(args) -> int:
     if not settings.backends:
         raise ConfigError("tierserve epp needs the replicas it picks among: --backend URL "
                           "(repeatable) or YAML backends:")
+    if len(settings.pools) > 1:  # one InferencePool, one model (the extension's shape)
+        raise ConfigError(f"tierserve epp picks within one pool, and these replicas serve "
+                          f"{len(settings.pools)} models ({', '.join(settings.pools)}): run "
+                          "one endpoint picker per model, as an InferencePool per model")
     if args.print_envoy_config:
         return print_envoy_config(args, settings)
     handoff = Handoff()

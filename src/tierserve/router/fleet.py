@@ -98,14 +98,14 @@ class FleetBackend:
         `transport(request_id, spec, path, body)`: the replica's answer as chunk dicts
         (default: this gateway sends the request itself; the endpoint picker's hands it
         to Envoy, epp/handoff.py)."""
-        for s in specs:
-            s.kind = s.kind or "vllm"  # not asked (discover): vLLM's protocol
-        for s in specs:  # one gateway serves one model: never send it to another one
+        for s in specs:  # not asked (discover): vLLM's protocol, vLLM's default slots
+            s.kind = s.kind or "vllm"
+            s.max_num_seqs = s.max_num_seqs or remote.UNKNOWN_SLOTS
+        for s in specs:  # a pool serves one model: never send it to another one
             if len(s.models) > 1 and model_name not in s.models:
                 raise ConfigError(f"replica {s.name} serves {', '.join(s.models)}, not this "
-                                  f"gateway's model {model_name!r}; one gateway serves one "
-                                  "model (list the replica's name for it first, or run a "
-                                  "gateway per model)")
+                                  f"pool's model {model_name!r}; one pool serves one model "
+                                  "(list the replica's name for it first)")
         self.specs = {s.name: s for s in specs}
         self.model_name = model_name
         self.work_model = work_model
@@ -279,6 +279,11 @@ class FleetBackend:
                 req.task = asyncio.create_task(self._run(req, replica))
             for pending in refused:
                 self._finish(self._requests[pending.request_id], "refused")
+            for pending in self.gateway.stranded():
+                self._finish(self._requests[pending.request_id], "error",
+                             ReplicaUnavailableError(
+                                 f"no healthy replica of {self.model_name} is left to serve "
+                                 "this request; retry later"))
             timer = loop.call_later(0.05 if self.gateway.num_queued else 1.0, self._wake.set)
             try:
                 await self._wake.wait()
@@ -469,6 +474,10 @@ class FleetBackend:
             log.warning("replica %s is %s", replica.name,
                         "back" if replica.healthy else "down")
             self._wake.set()
+            c = self.gateway.config
+            if replica.healthy and replica.idle_ttft is None and \
+                    c.priority_ttft_s is None and c.priority_tpot_s is None:
+                self._tasks.append(asyncio.create_task(self._time_idle(replica)))
 
     async def _detect_plugin(self, replica: ReplicaState, spec: remote.ReplicaSpec,
                              headers: dict) -> None:
@@ -485,10 +494,71 @@ class FleetBackend:
                         "by tier itself, so lower tiers are not held back for it, and it "
                         "reports each request's exact cost", replica.name)
 
-    async def probe(self) -> None:
-        """Check every replica once now (a gateway does before it says it is ready)."""
+    async def probe(self, say=None) -> None:
+        """Check every replica once now (a gateway does before it says it is ready); with
+        no priority SLO configured, time each healthy replica at idle, which sets the
+        fast lane's default target (router/flow.py), and say so through `say`."""
         self._start()
         await asyncio.gather(*(self._check(r) for r in self.gateway.replicas))
+        c = self.gateway.config
+        if c.priority_ttft_s is not None or c.priority_tpot_s is not None:
+            return
+        up = [r for r in self.gateway.replicas if r.healthy]
+        await asyncio.gather(*(self._time_idle(r) for r in up))
+        timed = [r for r in up if r.idle_ttft is not None]
+        if say is not None and timed:
+            parts = ", ".join(
+                f"{r.name} TTFT {1e3 * r.idle_ttft[0]:.1f} ms + "
+                f"{1e6 * r.idle_ttft[1]:.0f} us/prompt token, TPOT "
+                f"{1e3 * (r.idle_tpot_s or 0):.1f} ms" for r in timed)
+            say(f"{self.model_name}: no priority SLO configured; the fast lane's target is "
+                f"{c.idle_factor:g}x each replica's idle timing, measured now: {parts} "
+                "(YAML slo: {priority: ...} or fleet: priority_ttft_s sets one)")
+
+    async def _time_idle(self, replica: ReplicaState) -> None:
+        """Idle TTFT at a short and a long prompt (a base and a cost per token, fitted
+        through the two medians) and TPOT, on one replica, after one warm-up request."""
+        spec = self.specs[replica.name]
+        short, long_ = [], []
+        try:
+            for i, words in enumerate((24, 24, 24, 24, 480, 480, 480)):
+                ttft, tpot, n = await self._time_one(spec, words, i)
+                if i:
+                    (short if words == 24 else long_).append((ttft, tpot, n))
+        except (remote.ReplicaDown, UpstreamError, ValueError) as exc:
+            log.warning("replica %s: not timed at idle (%s); no default target for it",
+                        replica.name, exc)
+            return
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        t0, n0 = med([t for t, _, _ in short]), med([n for _, _, n in short])
+        t1, n1 = med([t for t, _, _ in long_]), med([n for _, _, n in long_])
+        per_token = max(0.0, (t1 - t0) / max(n1 - n0, 1))
+        replica.idle_ttft = (max(t0 - per_token * n0, 0.0), per_token)
+        tpots = [p for _, p, _ in short if p is not None]
+        replica.idle_tpot_s = med(tpots) if tpots else None
+
+    async def _time_one(self, spec: remote.ReplicaSpec, words: int, i: int):
+        """One priority request of about `words` tokens and 16 output tokens: (TTFT s,
+        TPOT s or None, prompt tokens)."""
+        prompt = f"{i} {hashlib.sha256(str((i, self.clock.now())).encode()).hexdigest()}" + \
+            " hello" * words  # a new start each time: no prefix cache hit
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0}
+        if spec.kind != "openai":
+            body["ignore_eos"] = True
+        body = remote.upstream_body(spec, "/v1/completions", body, self.model_name,
+                                    Tier.PRIORITY, 0, bool(spec.plugin),
+                                    f"tierserve-probe-{i}")
+        start = self.clock.now()
+        times, prompt_tokens = [], words + 8
+        async for chunk in remote.stream(self._session, spec, "/v1/completions", body):
+            if any(c.get("text") for c in chunk.get("choices") or []):
+                times.append(self.clock.now())
+            usage = chunk.get("usage") or {}
+            prompt_tokens = usage.get("prompt_tokens") or prompt_tokens
+        if not times:
+            raise ValueError("no token came back")
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        return times[0] - start, tpot, prompt_tokens
 
     @staticmethod
     def _scrape(replica: ReplicaState, text: str) -> None:

@@ -18,7 +18,10 @@ NOTE: the limit (AIMD on the fast lane's measured latency)
     the slots kept for priority. Every priority request that finishes on it is checked
     against the priority SLO (TTFT and TPOT): a miss cuts the limit by `decrease`
     (multiplicative), at most once per `cooldown_s`; a met SLO while lower-tier work
-    waits adds one slot (additive), up to the cap. With no priority traffic for
+    waits adds one slot (additive), up to the cap. With no priority SLO configured, the
+    target is `idle_factor` times the replica's own idle timing, measured by the gateway
+    at start (router/fleet.py's probe): TTFT as a base plus a cost per prompt token, so
+    a long prompt is not read as a miss, and TPOT. With no priority traffic for
     `idle_s` the limit returns to the cap, so lower tiers alone are never throttled.
     AIMD is TCP's rule for sharing a link whose capacity is only seen through delay and
     loss: here capacity is only seen through the fast lane's latency, the signal is noisy
@@ -59,6 +62,9 @@ class FlowConfig:
     """Priority TTFT target the limit adapts to (None: no TTFT signal)."""
     priority_tpot_s: float | None = None
     """Priority TPOT target the limit adapts to (None: no TPOT signal)."""
+    idle_factor: float = 1.5
+    """With no priority target given: the target is this many times the replica's idle
+    TTFT (for the request's prompt length) and TPOT, measured at start."""
     decrease: float = 0.7
     """Multiplicative decrease of the limit on a priority SLO miss."""
     min_limit: int = 1
@@ -127,6 +133,10 @@ class ReplicaState:
     """In-flight lower-tier requests it may have (see the NOTE)."""
     last_priority_s: float = float("-inf")
     last_cut_s: float = float("-inf")
+    idle_ttft: tuple[float, float] | None = None
+    """Measured at start: idle TTFT as (seconds, seconds per prompt token)."""
+    idle_tpot_s: float | None = None
+    """Measured at start: idle seconds per output token."""
     protects: bool = False
     """It keeps the fast lane fast itself (tierserve's scheduler runs there: a tierserve
     replica or vLLM with the plugin): no lower-tier limit is held for it."""
@@ -211,6 +221,19 @@ class Gateway:
                 out.append((request, replica))
         self._probe(now)
         return out, refused
+
+    def stranded(self) -> list[Pending]:
+        """Take out the queued requests no healthy replica takes (their pool went down
+        under them): they fail clearly rather than wait. Batch lines wait: their job runs
+        on when a replica is back."""
+        out = []
+        for tier in Tier:
+            if tier == Tier.BATCH or not self.queues[tier] or \
+                    any(r.takes(tier) for r in self.replicas):
+                continue
+            out.extend(self.queues[tier])
+            self.queues[tier].clear()
+        return out
 
     def _refuse_overdue(self, now: float) -> list[Pending]:
         queue = self.queues[Tier.FLEX]  # in fair order, not arrival: look at each
@@ -306,7 +329,7 @@ class Gateway:
         else:
             r.decoding -= 1
         if request.tier == Tier.PRIORITY and ttft_s is not None:
-            self.observe_priority(r, now, ttft_s, tpot_s)
+            self.observe_priority(r, now, ttft_s, tpot_s, request.prompt_tokens)
 
     def retry(self, request: Pending) -> None:
         """Queue again at the head of its tier (a replica failed before a token)."""
@@ -320,17 +343,29 @@ class Gateway:
 
     # ---------------------------------------------------------------- limit
     def observe_priority(self, r: ReplicaState, now: float, ttft_s: float,
-                         tpot_s: float | None) -> None:
+                         tpot_s: float | None, prompt_tokens: int = 0) -> None:
         c = self.config
         r.last_priority_s = now
-        missed = (c.priority_ttft_s is not None and ttft_s > c.priority_ttft_s) or (
-            c.priority_tpot_s is not None and tpot_s is not None and tpot_s > c.priority_tpot_s)
+        ttft_target, tpot_target = self.targets(r, prompt_tokens)
+        missed = (ttft_target is not None and ttft_s > ttft_target) or (
+            tpot_target is not None and tpot_s is not None and tpot_s > tpot_target)
         if missed:
             if now - r.last_cut_s >= c.cooldown_s:
                 r.limit = max(c.min_limit, r.limit * c.decrease)
                 r.last_cut_s = now
         elif self.num_queued and r.lower_in_flight >= r.limit - 1:
             r.limit = min(self.cap(r), r.limit + 1)
+
+    def targets(self, r: ReplicaState, prompt_tokens: int) -> tuple[float | None, float | None]:
+        """The priority (TTFT, TPOT) targets on `r` for a prompt this long: the SLO's, else
+        `idle_factor` x the replica's measured idle timing (None: no signal)."""
+        c = self.config
+        if c.priority_ttft_s is not None or c.priority_tpot_s is not None:
+            return c.priority_ttft_s, c.priority_tpot_s
+        ttft = None if r.idle_ttft is None else \
+            c.idle_factor * (r.idle_ttft[0] + r.idle_ttft[1] * prompt_tokens)
+        tpot = None if r.idle_tpot_s is None else c.idle_factor * r.idle_tpot_s
+        return ttft, tpot
 
     def _probe(self, now: float) -> None:
         for r in self.replicas:

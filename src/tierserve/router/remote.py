@@ -24,6 +24,9 @@ from tierserve.errors import ConfigError, UpstreamError
 from tierserve.tiers import Tier
 
 KINDS = ("vllm", "tierserve", "openai")
+UNKNOWN_SLOTS = 256
+"""A replica's slot count where neither the config nor the replica says (vLLM's default
+`--max-num-seqs` on a GPU)."""
 
 
 @dataclass
@@ -41,8 +44,9 @@ class ReplicaSpec:
     """USD per hour of its machine; None: the --hardware profile's price."""
     hardware: str | None = None
     """A price profile (metering.prices) for this replica; None: the server's."""
-    max_num_seqs: int = 256
-    """Requests it runs at once (vLLM's --max-num-seqs)."""
+    max_num_seqs: int | None = None
+    """Requests it runs at once (vLLM's --max-num-seqs); None: asked of the replica at
+    start (`discover`), UNKNOWN_SLOTS where it does not say."""
     plugin: bool | None = None
     """kind vllm: runs tierserve's scheduler plugin (None: ask the replica)."""
     name: str = ""
@@ -59,7 +63,7 @@ class ReplicaSpec:
         if self.kind is not None and self.kind not in KINDS:
             raise ConfigError(f"backend {self.url}: kind must be one of {', '.join(KINDS)}, "
                               f"got {self.kind!r}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ConfigError(f"backend {self.url}: max_num_seqs must be >= 1")
         if self.price_per_hour is not None and self.price_per_hour < 0:
             raise ConfigError(f"backend {self.url}: price_per_hour must be >= 0")
@@ -89,9 +93,10 @@ class ReplicaSpec:
 
 
 def discover(spec: ReplicaSpec, timeout_s: float = 3.0) -> str:
-    """Ask a replica what the config did not say: the models it serves (its /v1/models)
-    and its kind (the models' `owned_by`: tierserve, vllm, else openai). Returns the
-    start-up log's line for it."""
+    """Ask a replica what the config did not say: the models it serves (its /v1/models),
+    its kind (the models' `owned_by`: tierserve, vllm, else openai) and its slot count
+    (a tierserve replica's model card; tierserve's vLLM plugin's /tierserve/v1/info; vLLM's
+    /server_info where its dev mode is on). Returns the start-up log's line for it."""
     import httpx
 
     try:
@@ -102,21 +107,57 @@ def discover(spec: ReplicaSpec, timeout_s: float = 3.0) -> str:
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         known = spec.kind is not None
         spec.kind = spec.kind or "vllm"
+        slots = _slots_line(spec, None, False)
         return (f"replica {spec.name} ({spec.url}) did not answer /v1/models "
                 f"({type(exc).__name__}: {exc}); {'kind' if known else 'taken as'} "
-                f"{spec.kind}" + ("" if spec.models else ", serving the gateway's model"))
-    owners = {m.get("owned_by") for m in data if isinstance(m, dict)}
-    found = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+                f"{spec.kind}" + ("" if spec.models else ", serving the gateway's model")
+                + f"; {slots}")
+    cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    owners = {m.get("owned_by") for m in cards}
     detected = spec.kind is None
     if detected:
         spec.kind = "tierserve" if "tierserve" in owners else \
             "vllm" if "vllm" in owners else "openai"
     learned = not spec.models
-    if learned:
-        spec.models = found
+    if learned:  # a tierserve replica's route aliases are its own business, not models
+        spec.models = [m["id"] for m in cards if "routes_to" not in m]
+    said = None
+    if spec.max_num_seqs is None:
+        said = _slots_of(spec, cards, httpx, timeout_s)
     return (f"replica {spec.name} ({spec.url}) answered: {spec.kind}"
             f"{' (detected)' if detected else ''}, serves {', '.join(spec.models) or 'nothing'}"
-            f"{' (learned)' if learned else ''}")
+            f"{' (learned)' if learned else ''}; {_slots_line(spec, said, True)}")
+
+
+def _slots_of(spec: ReplicaSpec, cards: list, httpx, timeout_s: float) -> str | None:
+    """The replica's own slot count, where it tells (sets `spec.max_num_seqs`); the
+    source named for the log."""
+    first = next((c for c in cards if c["id"] == (spec.models or [None])[0]), None)
+    if spec.kind == "tierserve" and first and isinstance(first.get("max_num_seqs"), int):
+        spec.max_num_seqs = first["max_num_seqs"]
+        return "its model card"
+    if spec.kind != "vllm":
+        return None
+    for path, read in (("/tierserve/v1/info", lambda j: j["max_num_seqs"]),
+                       ("/server_info?config_format=json",
+                        lambda j: j["vllm_config"]["scheduler_config"]["max_num_seqs"])):
+        try:
+            r = httpx.get(spec.url + path, headers=spec.auth_headers, timeout=timeout_s)
+            n = read(r.json()) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            n = None
+        if isinstance(n, int) and n > 0:
+            spec.max_num_seqs = n
+            return path.split("?")[0]
+    return None
+
+
+def _slots_line(spec: ReplicaSpec, said: str | None, answered: bool) -> str:
+    if spec.max_num_seqs is not None:
+        return f"{spec.max_num_seqs} slots ({'from ' + said if said else 'configured'})"
+    spec.max_num_seqs = UNKNOWN_SLOTS
+    return (f"{UNKNOWN_SLOTS} slots assumed ({'it does not say' if answered else 'unknown'};"
+            " set the backend's max_num_seqs)")
 
 
 class ReplicaDown(Exception):

@@ -25,11 +25,16 @@ class Admission:
         """Count `n` queued requests; beyond the tier's limit, 429 (unless not `enforce`d:
         batch lines, whose number in flight the batch runner bounds)."""
         limit = self.limits.get(tier)
-        if enforce and limit is not None and self.queued[tier] + n > limit:
+        if enforce and self.full(tier, n):
             raise OverloadedError(
                 f"the {tier} tier's queue is full ({limit} requests waiting); retry later",
                 retry_after_s=self.retry_after_s(tier))
         self.queued[tier] += n
+
+    def full(self, tier: Tier, n: int = 1) -> bool:
+        """`admit(tier, n)` would refuse."""
+        limit = self.limits.get(tier)
+        return limit is not None and self.queued[tier] + n > limit
 
     def started(self, tier: Tier) -> None:
         self.queued[tier] -= 1

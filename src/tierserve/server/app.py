@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tierserve.core.stats import RequestStats
 from tierserve.tiers import Tier, resolve
 from tierserve import __version__
-from tierserve.errors import (AuthenticationError, InvalidRequestError, NotFoundError,
+from tierserve.errors import (AuthenticationError, InvalidRequestError, LoadingError,
+                              NotFoundError,
                               OverloadedError, RequestTooLargeError, TierNotAllowedError,
                               TierserveError)
 from tierserve.metering.ledger import Ledger
@@ -68,6 +69,7 @@ class ServerState:
         """The main model's (the only one, unless YAML `models:` adds more)."""
         self.served: dict[str, Served] = {}
         self.routes = dict(settings.routes)
+        self.aliases = dict(settings.aliases)
         self.classifier = None
         if settings.route_classifier:
             from tierserve.route.classifier import Classifier
@@ -93,14 +95,42 @@ class ServerState:
         self.backend = backend
 
     def target(self, model: str) -> Served:
-        """The served model called `model` (not an alias: see server/routing.py)."""
+        """The served model called `model` or an alias of it (YAML `aliases:`; a route is
+        not one: see server/routing.py)."""
         self.ready()
-        served = self.served.get(model)
+        served = self.served.get(self.aliases.get(model, model))
         if served is None:
-            raise NotFoundError(f"the model `{model}` does not exist; this server serves "
-                                f"{', '.join(f'`{m}`' for m in [*self.served, *self.routes])}",
-                                param="model")
+            self.check_model(model)
+            raise LoadingError(f"the model `{model}` is still loading")
         return served
+
+    def fallback(self, served: Served, tier: Tier) -> tuple[Served, str] | None:
+        """Where a request for `served` goes instead, and why, when its pool cannot take it
+        now (no healthy replica, or its tier's queue full): the first of its YAML
+        `fallbacks:` that can; None: it stays (and fails clearly if it must)."""
+        why = self._unable(served, tier)
+        if why is None:
+            return None
+        for name in self.settings.fallbacks.get(served.name, ()):
+            other = self.served.get(name)
+            if other is not None and self._unable(other, tier) is None:
+                self.metrics.fallbacks.labels(served.name, name, why).inc()
+                return other, why
+        return None
+
+    @staticmethod
+    def _unable(served: Served, tier: Tier) -> str | None:
+        if served.backend.errored is not None:
+            return "down"
+        if served.admission.full(served.backend.tier_map[tier]):
+            return "queue_full"
+        return None
+
+    @property
+    def names(self) -> list[str]:
+        """Every name a client may call: the models (the main one first), aliases, routes."""
+        return [self.model_name, *(m for m in self.served if m != self.model_name),
+                *self.aliases, *self.routes]
 
     # StatSink: after metering, so the stats carry their cost and charge
     def on_step(self, stats) -> None:
@@ -113,8 +143,7 @@ class ServerState:
 
     def ready(self) -> Backend:
         if self.backend is None:
-            raise OverloadedError("the model is still loading", retry_after_s=5,
-                                  code="model_loading")
+            raise LoadingError("the model is still loading; retry in a few seconds")
         return self.backend
 
     @property
@@ -154,11 +183,10 @@ class ServerState:
         return tok
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name and model not in self.served and model not in self.routes:
-            names = [self.model_name, *(m for m in self.served if m != self.model_name),
-                     *self.routes]
+        if model not in self.names:
             raise NotFoundError(f"the model `{model}` does not exist; this server serves "
-                                f"{', '.join(f'`{m}`' for m in names)}", param="model")
+                                f"{', '.join(f'`{m}`' for m in self.names)}", param="model",
+                                code="model_not_found")
 
     def tier_for(self, asked: Tier, tenant: Tenant) -> Tier:
         """The tier this tenant's request asking for `asked` runs in (tiers.resolve;
@@ -224,15 +252,18 @@ def create_app(backend: Backend | None, settings: ServerSettings,
         if name in state.routes:  # an alias: its models are what it may answer with
             return {"id": name, "object": "model", "created": 0, "owned_by": "tierserve",
                     "routes_to": sorted(state.routes[name].models)}
-        served = state.served.get(name)
-        return {"id": name, "object": "model", "created": 0, "owned_by": "tierserve",
-                "max_model_len": (served.backend if served else state.backend).max_model_len}
+        served = state.target(name)
+        card = {"id": name, "object": "model", "created": 0, "owned_by": "tierserve",
+                "max_model_len": served.backend.max_model_len,
+                "max_num_seqs": served.backend.max_num_seqs}
+        if served.name != name:
+            card["alias_of"] = served.name
+        return card
 
     @app.get("/v1/models")
     async def models(request: Request):
         state.authenticate(request)
-        names = [model_name, *(m for m in state.served if m != model_name), *state.routes]
-        return {"object": "list", "data": [model_card(m) for m in names]}
+        return {"object": "list", "data": [model_card(m) for m in state.names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):

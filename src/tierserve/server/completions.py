@@ -124,9 +124,12 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, choice: Ch
     run.choice, run.hidden_logprobs = choice, hidden
     if choice.route is not None:
         run.headers["x-tierserve-route"] = choice.header
+    route = {"route": choice.route} if choice.route is not None else {}
+    if choice.fallback_from is not None:
+        run.headers["x-tierserve-fallback-from"] = choice.fallback_from
+        route["fallback_from"] = choice.fallback_from
     owner = tenant.owner(body.cache_salt)
     several = len(state.served) > 1
-    route = {"route": choice.route} if choice.route is not None else {}
     try:
         for index, request_id in enumerate(ids):
             prompt, p = prompts[index // body.n], params[index % body.n]

@@ -5,7 +5,7 @@ import json
 from fastapi.responses import JSONResponse
 
 from tierserve.errors import (AuthenticationError, ConflictError, ContextLengthError,
-                              InvalidRequestError, NotFoundError, OverloadedError,
+                              InvalidRequestError, LoadingError, NotFoundError, OverloadedError,
                               PermissionDeniedError, ReplicaUnavailableError, RequestTooLargeError,
                               TierNotAllowedError, UpstreamError)
 from tierserve.server import openai_format as fmt
@@ -21,6 +21,7 @@ ERRORS: list[tuple[type[Exception], int, str]] = [
     (ConflictError, 409, "invalid_request_error"),
     (RequestTooLargeError, 413, "invalid_request_error"),
     (OverloadedError, 429, "rate_limit_error"),
+    (LoadingError, 503, "server_error"),
     (ReplicaUnavailableError, 503, "server_error"),
 ]
 _DEFAULT_CODES = {401: "invalid_api_key", 403: "tier_not_allowed", 404: "not_found",
@@ -42,7 +43,9 @@ def error_response(exc: Exception) -> JSONResponse:
         if isinstance(exc, etype):
             code = getattr(exc, "code", None) or _DEFAULT_CODES.get(status)
             headers = ({**exc.headers, "Retry-After": str(exc.retry_after_s)}
-                       if isinstance(exc, OverloadedError) else None)
+                       if isinstance(exc, OverloadedError) else
+                       {"Retry-After": str(exc.retry_after_s)}
+                       if isinstance(exc, LoadingError) else None)
             body = fmt.error_body(str(exc), otype, getattr(exc, "param", None), code)
             return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(fmt.error_body("internal error: " + str(exc), "server_error",

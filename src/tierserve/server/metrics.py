@@ -81,6 +81,10 @@ class Metrics:
                                     tm + ["phase"], registry=r)
         self.charge = Counter("tierserve_charge_usd", "What tenants were charged (USD).", tm,
                               registry=r)
+        self.fallbacks = Counter("tierserve_fallbacks",
+                                 "Requests sent to a fallback model (YAML fallbacks:), by the "
+                                 "model asked for, the one that served and why (down, "
+                                 "queue_full).", ["model", "to", "reason"], registry=r)
         self.vllm = VllmMetrics(r, model)
         self.slo = self._slo
 

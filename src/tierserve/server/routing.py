@@ -10,7 +10,7 @@ route's default rule names), `max_tokens`, whether tools are given, and the last
 message. The classifier is scored only when a rule needs it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierserve.route.rules import Features, Route
 from tierserve.router.backend import Chat
@@ -36,6 +36,8 @@ class Choice:
     """On the second attempt of a cascade: the model whose answer failed, and why."""
     asked: Tier = Tier.DEFAULT
     """The tier the request asked for (parsed, not yet resolved for the tenant)."""
+    fallback_from: str | None = None
+    """The model that could not take it (YAML `fallbacks:`), and why: `name (down)`."""
 
     @property
     def header(self) -> str | None:
@@ -50,14 +52,25 @@ def choose(state, body, tenant, batch: bool = False) -> Choice:
     asked = Tier.from_wire(body.service_tier)
     route = state.routes.get(body.model)
     if route is None:
-        return Choice(state.target(body.model),
-                      Tier.BATCH if batch else state.tier_for(asked, tenant), asked=asked)
+        return fall_back(state, Choice(
+            state.target(body.model), Tier.BATCH if batch else state.tier_for(asked, tenant),
+            asked=asked))
     f = features(state, route, body, tenant, asked)
     scorer = state.classifier.score if state.classifier is not None else None
     rule = route.choose(f, scorer)
-    return Choice(state.target(rule.model),
-                  Tier.BATCH if batch else rule_tier(state, rule.tier, asked, tenant),
-                  f"{route.alias}/{rule.name}", f.score, rule.escalate, asked=asked)
+    return fall_back(state, Choice(
+        state.target(rule.model), Tier.BATCH if batch else rule_tier(state, rule.tier, asked,
+                                                                     tenant),
+        f"{route.alias}/{rule.name}", f.score, rule.escalate, asked=asked))
+
+
+def fall_back(state, choice: Choice) -> Choice:
+    """The choice, sent to its model's fallback where that model cannot take it now."""
+    found = state.fallback(choice.served, choice.tier)
+    if found is None:
+        return choice
+    other, why = found
+    return replace(choice, served=other, fallback_from=f"{choice.served.name} ({why})")
 
 
 def rule_tier(state, tier: Tier | None, asked: Tier, tenant) -> Tier:
@@ -73,8 +86,8 @@ def escalation(state, choice: Choice, why: str, tenant) -> Choice:
     esc = choice.escalate
     tier = Tier.BATCH if choice.tier == Tier.BATCH else \
         rule_tier(state, esc.tier, choice.asked, tenant)
-    return Choice(state.target(esc.model), tier, choice.route, choice.score, None,
-                  f"{choice.served.name} ({why})", choice.asked)
+    return fall_back(state, Choice(state.target(esc.model), tier, choice.route, choice.score,
+                                   None, f"{choice.served.name} ({why})", choice.asked))
 
 
 def features(state, route: Route, body, tenant, asked: Tier) -> Features:

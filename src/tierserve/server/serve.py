@@ -19,7 +19,8 @@ DEFAULT_CPU_PROFILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "
 
 _SETTINGS_ONLY = {"api_keys", "strict_tiers", "queue_limits", "max_body_bytes", "max_n",
                   "slo", "prices", "budgets", "rate_limits", "admin_key", "max_file_bytes", "max_batch_lines", "fleet",
-                  "backends", "models", "routes", "route_classifier", "schedule"}
+                  "backends", "models", "routes", "route_classifier", "schedule", "pools",
+                  "aliases", "fallbacks"}
 
 
 def load_yaml(path: str) -> dict:
@@ -116,6 +117,8 @@ def build(args):
     name = settings.served_model_name or (
         settings.backends[0].models[0] if settings.backends and settings.backends[0].models
         else default_model_name(args.model, args.load_format))
+    if settings.backends:
+        group_pools(settings, extra, name)
     add_models(settings, extra, name)
     if extra.get("schedule") is not None:
         from tierserve.schedule import parse_schedule
@@ -137,8 +140,91 @@ def add_models(settings, extra: dict, main: str) -> None:
         raise ConfigError("models: more in-process models beside fleet replicas is not "
                           "supported; run a gateway per model")
     settings.models = {str(k): dict(v) for k, v in models.items()}
-    settings.routes = parse_routes(extra.get("routes"), {main, *settings.models})
+    served = {main, *settings.models, *settings.pools}
+    settings.routes = parse_routes(extra.get("routes"), served)
     settings.route_classifier = extra.get("route_classifier")
+    add_aliases(settings, extra.get("aliases"), served)
+    settings.fallbacks = parse_fallbacks(extra.get("fallbacks"), served, settings.aliases)
+
+
+def group_pools(settings, extra: dict, main: str) -> None:
+    """Fleet mode's pools: the replicas grouped by the model they serve (their first
+    name; one that names none serves the main model). The first replica's pool is the
+    main model (`--served-model-name` renames it). A replica's further names are aliases
+    of its pool. YAML `pools:` gives a pool its own options."""
+    from tierserve.server.settings import POOL_OPTIONS
+
+    first = (settings.backends[0].models or [main])[0]
+    pools: dict[str, list] = {}
+    for spec in settings.backends:
+        key = (spec.models or [first])[0]
+        pools.setdefault(main if key == first else key, []).append(spec)
+    for name, specs in pools.items():
+        for spec in specs:
+            for other in spec.models[1:]:
+                if other not in pools and other != name:
+                    settings.aliases.setdefault(other, name)
+    options = extra.get("pools") or {}
+    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
+        raise ConfigError("pools: expected MODEL -> {step_time_profile: PATH, tokenizer: "
+                          "PATH, priority_ttft_s: S, priority_tpot_s: S}")
+    for name, opts in options.items():
+        if name not in pools:
+            raise ConfigError(f"pools: no replica serves {name!r}; the pools are "
+                              f"{', '.join(pools)}")
+        unknown = set(opts) - set(POOL_OPTIONS)
+        if unknown:
+            raise ConfigError(f"pools.{name}: unknown key {sorted(unknown)[0]!r} (one of "
+                              f"{', '.join(POOL_OPTIONS)})")
+        for key in ("priority_ttft_s", "priority_tpot_s"):
+            v = opts.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or v <= 0):
+                raise ConfigError(f"pools.{name}.{key} must be a number > 0, got {v!r}")
+    settings.pools = pools
+    settings.pool_options = {str(k): dict(v) for k, v in options.items()}
+
+
+def add_aliases(settings, raw, served: set) -> None:
+    """YAML `aliases: {ALIAS: MODEL}` on top of the replicas' own further names."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict) or not all(isinstance(v, str) for v in raw.values()):
+        raise ConfigError("aliases: expected ALIAS -> MODEL (a served model's name)")
+    for alias, model in raw.items():
+        alias = str(alias)
+        if model not in served:
+            raise ConfigError(f"aliases.{alias}: {model!r} is not a served model (one of "
+                              f"{', '.join(sorted(served))})")
+        if alias in served or alias in settings.routes:
+            raise ConfigError(f"aliases.{alias}: {alias!r} is a model or route already")
+        settings.aliases[alias] = model
+    for alias in [a for a in settings.aliases if a in settings.routes]:
+        del settings.aliases[alias]  # a route of that name wins over a replica's name
+
+
+def parse_fallbacks(raw, served: set, aliases: dict) -> dict[str, list[str]]:
+    """YAML `fallbacks: {MODEL: OTHER}` or `{MODEL: [OTHER, ...]}` (tried in order)."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError("fallbacks: expected MODEL -> OTHER or [OTHER, ...]")
+    out = {}
+    for model, others in raw.items():
+        model = aliases.get(str(model), str(model))
+        others = [others] if isinstance(others, str) else others
+        if not isinstance(others, list) or not others or \
+                not all(isinstance(o, str) for o in others):
+            raise ConfigError(f"fallbacks.{model}: expected a model name or a list of them")
+        others = [aliases.get(o, o) for o in others]
+        for name in (model, *others):
+            if name not in served:
+                raise ConfigError(f"fallbacks: {name!r} is not a served model (one of "
+                                  f"{', '.join(sorted(served))})")
+        if model in others:
+            raise ConfigError(f"fallbacks.{model}: a model cannot fall back to itself")
+        out[model] = others
+    return out
 
 
 def model_config(config, options: dict):
@@ -161,19 +247,23 @@ def model_config(config, options: dict):
     return out
 
 
-def build_fleet(settings, config, name: str, say, transport=None):
-    """Fleet mode's backend: the replicas, the gateway's flow control (its SLO signal is
-    the priority tier's), a step-time model to split each replica's cost (a calibrated
-    profile, the shipped CPU profile, or a GPU roofline of the model's shape) and a
-    tokenizer to count prompt tokens."""
+def build_fleet(settings, config, name: str, specs: list, say, transport=None):
+    """The fleet backend of one pool (`specs`, the replicas serving model `name`): the
+    gateway's flow control for it (its SLO signal is the priority tier's), a step-time
+    model to split each replica's cost (a calibrated profile, the shipped CPU profile, or
+    a GPU roofline of the model's shape) and a tokenizer to count prompt tokens; YAML
+    `pools: {name: ...}` gives the pool its own."""
     from dataclasses import replace
 
     from tierserve.core.step_time import StepTimeModel
     from tierserve.router.fleet import FleetBackend
 
     mc, tiers = config.model, config.tiers
-    if tiers.step_time_profile:
-        model = StepTimeModel.load(tiers.step_time_profile)
+    opts = settings.pool_options.get(name, {})
+    main = name == next(iter(settings.pools))
+    profile = opts.get("step_time_profile") or tiers.step_time_profile
+    if profile:
+        model = StepTimeModel.load(profile)
     elif settings.hardware == "cpu-local":
         model = StepTimeModel.load(DEFAULT_CPU_PROFILE)
     else:
@@ -184,22 +274,29 @@ def build_fleet(settings, config, name: str, say, transport=None):
                          load_hardware(settings.hardware))
     slo = tiers.slo.get("priority")
     flow = replace(settings.fleet, flex_max_wait_s=config.scheduler.flex_max_wait_s,
-                   priority_ttft_s=settings.fleet.priority_ttft_s or (slo and slo.ttft_s),
-                   priority_tpot_s=settings.fleet.priority_tpot_s or (slo and slo.tpot_s))
+                   priority_ttft_s=opts.get("priority_ttft_s") or settings.fleet.priority_ttft_s
+                   or (slo and slo.ttft_s),
+                   priority_tpot_s=opts.get("priority_tpot_s") or settings.fleet.priority_tpot_s
+                   or (slo and slo.tpot_s))
     tokenizer = None
-    source = mc.tokenizer or (mc.model if mc.load_format != "dummy" else None)
+    named = opts.get("tokenizer") or (mc.tokenizer if main else None)
+    source = named or (mc.model if mc.load_format != "dummy" and main else None)
     try:
         from tierserve.model.metadata import default_model_path
         from tierserve.model.tokenizer import Tokenizer
 
+        if source is None and not main:
+            raise ValueError(f"none given for {name} (YAML pools: {{{name}: {{tokenizer: "
+                             "PATH}}}})")
         tokenizer = Tokenizer.for_gateway(source or default_model_path())
     except Exception as exc:  # counting falls back to an estimate; said once, here
-        if mc.tokenizer:
-            raise ConfigError(f"cannot load the tokenizer {mc.tokenizer}: {exc}") from None
-        say(f"no tokenizer ({exc}); prompt tokens are estimated until replicas report them")
-    say(f"fleet mode: {len(settings.backends)} replica(s) "
-        f"({', '.join(f'{s.name}={s.url} ({s.kind})' for s in settings.backends)})")
-    return FleetBackend(settings.backends, name, model, flow, tiers.slo, tokenizer,
+        if named:
+            raise ConfigError(f"cannot load the tokenizer {named}: {exc}") from None
+        say(f"{name}: no tokenizer ({exc}); prompt tokens are estimated until replicas "
+            "report them")
+    say(f"fleet mode, {name}: {len(specs)} replica(s) "
+        f"({', '.join(f'{s.name}={s.url} ({s.kind})' for s in specs)})")
+    return FleetBackend(specs, name, model, flow, tiers.slo, tokenizer,
                         health_interval_s=settings.health_interval_s, transport=transport)
 
 
@@ -300,12 +397,22 @@ def serve(args, built=None, transport=None, started=None) -> int:
         say(f"listening on {url} (loading {name}; /health says 503 until ready)")
         try:
             if settings.backends:
-                backend = build_fleet(settings, config, name, say, transport)
-                await backend.probe()  # health, and which replicas run tierserve's plugin
+                more = {pool: build_fleet(settings, config, pool, specs, say, transport)
+                        for pool, specs in settings.pools.items()}
+                # health, which replicas run tierserve's plugin, the fast lane's target
+                await asyncio.gather(*(b.probe(say) for b in more.values()))
+                backend = more.pop(name)
                 what = f"{len(settings.backends)} replica(s) behind the gateway"
+                if more:
+                    what += f" in {1 + len(more)} pools"
                 plugins = [s.name for s in settings.backends if s.plugin]
                 if plugins:
                     what += f"; tierserve's vLLM plugin on {', '.join(plugins)}"
+                up = [r.name for b in (backend, *more.values()) for r in b.gateway.replicas
+                      if r.healthy]
+                if not up:
+                    what += ("; NOT READY: no replica answered its health check (/health "
+                             "says 503 until one does)")
             else:
                 more = await build_more(settings, config, say)
                 backend = LocalBackend(await build_engines(config, say))
@@ -325,14 +432,17 @@ def serve(args, built=None, transport=None, started=None) -> int:
                 return
             stops.append(stop)
             what += more_what
-        if not settings.backends:
-            for extra, engine in more.items():
+        for extra, engine in more.items():
+            if settings.backends:
+                part = engine  # another pool's fleet backend
+            else:
                 part = LocalBackend(engine, extra)
                 part.machine_share = backend.machine_share  # the cores are split evenly
-                state.attach(part, extra)
-            if more:
-                what += f"; also {', '.join(more)}; routes: {', '.join(settings.routes) or 'none'}"
-        say(f"ready: serving {name} at {url}/v1 ({what})")
+            state.attach(part, extra)
+        if more:
+            what += f"; also {', '.join(more)}; routes: {', '.join(settings.routes) or 'none'}"
+        word = "started" if "NOT READY" in what else "ready"
+        say(f"{word}: serving {name} at {url}/v1 ({what})")
 
     async def main() -> None:
         task = asyncio.create_task(load())

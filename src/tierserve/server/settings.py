@@ -29,6 +29,8 @@ from tierserve.server.limits import RateLimit
 from tierserve.tiers import TIER_NAMES, Tier
 
 TIERS = TIER_NAMES
+POOL_OPTIONS = ("step_time_profile", "tokenizer", "priority_ttft_s", "priority_tpot_s")
+"""What YAML `pools:` may set per model (fleet mode)."""
 API_KEY_TENANT = "api-key"
 """Tenant of the key of --api-key: every tier, weight 1, its own prefix cache."""
 
@@ -141,6 +143,18 @@ class ServerSettings:
     (`model`, `max_num_seqs`, `dtype`, `load_format`, ...; the rest from the main one)."""
     routes: dict = field(default_factory=dict)
     """Model aliases clients call -> route.rules.Route (the YAML's `routes:`)."""
+    pools: dict[str, list[ReplicaSpec]] = field(default_factory=dict)
+    """Fleet mode: served model -> the replicas serving it (grouped by each replica's
+    first model name; the first pool is the main model)."""
+    pool_options: dict[str, dict] = field(default_factory=dict)
+    """Fleet mode, YAML `pools: {MODEL: {...}}`: a pool's own step-time profile,
+    tokenizer and priority targets (POOL_OPTIONS)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Other names clients may call a served model by -> that model (YAML `aliases:`, and a
+    replica's further names)."""
+    fallbacks: dict[str, list[str]] = field(default_factory=dict)
+    """Served model -> the models tried in order when its pool has no healthy replica or
+    its tier's queue is full (YAML `fallbacks:`)."""
     route_classifier: str | None = None
     """The trained router (`tierserve route train`) that `score_min` rules use."""
     schedule: object = None
