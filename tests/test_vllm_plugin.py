@@ -320,7 +320,12 @@ def test_a_gateway_finds_the_plugin_holds_nothing_back_and_bills_the_exact_cost(
     replica of four slots (three reserved for priority), the plugin replica gets them all
     at once (it protects the fast lane itself); the bill is the replica's exact cost at
     the gateway's price, and a flex request the plugin refuses is a 429."""
+    from tierserve.router.remote import discover
+
     url, _ = replicas
+    found = ReplicaSpec.parse(url, 0)
+    line = discover(found)  # its slot count, from the plugin's own /tierserve/v1/info
+    assert found.max_num_seqs == 4 and "4 slots (from /tierserve/v1/info)" in line, line
     gw = Gateway([ReplicaSpec(url, [MODEL], "vllm", name="plug", max_num_seqs=4,
                               price_per_hour=3.6)],
                  flow=FlowConfig(reserved_priority_seqs=3, flex_max_wait_s=60))
