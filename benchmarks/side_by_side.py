@@ -73,14 +73,30 @@ def measure(name: str, port: int, command: str, levels: list[int], args) -> list
                   f"tok_s={res['output_tok_s']} ttft_ms p50/p99={res['ttft_ms_p50']}/"
                   f"{res['ttft_ms_p99']} itl_ms p50/p99={res['itl_ms_p50']}/"
                   f"{res['itl_ms_p99']} itl_max_ms={res.get('itl_ms_max')}", flush=True)
+    except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
+        # a server that does not start (or a load run that fails) is reported; the next
+        # server is still measured
+        print(f"side_by_side server={name} FAILED: {type(exc).__name__}: {exc} (log: "
+              f"{log.name})", flush=True)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
         log.close()
     return results
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL if it lingers; a group already gone
+    (the server exited during start-up) is not an error."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def main(argv=None) -> int:
@@ -98,11 +114,15 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"# side_by_side machine={platform.machine()} cpus={os.cpu_count()} "
           f"prompt=128 output=128 ignore_eos logs={args.logs}", flush=True)
+    failed = []
     for spec in servers:
         name, port, command = spec.split("|", 2)
         print(f"# {name}: {command}", flush=True)
-        measure(name, int(port), command, levels, args)
-    return 0
+        if not measure(name, int(port), command, levels, args):
+            failed.append(name)
+    if failed:
+        print(f"# side_by_side: not measured: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
