@@ -152,3 +152,38 @@ def test_a_dead_pool_falls_back_billed_once_and_labelled(fleet):
             break
         time.sleep(0.3)
     assert r.status_code == 503 and r.json()["error"]["code"] == "replica_unavailable"
+
+
+def test_pool_aliases_and_fallbacks_config_is_checked_with_the_bad_field_named():
+    from tierserve.errors import ConfigError
+    from tierserve.server.pools import add_aliases, group_pools, parse_fallbacks
+    from tierserve.server.settings import ServerSettings
+
+    settings = ServerSettings(backends=ServerSettings.parse_backends([
+        {"url": "http://127.0.0.1:1", "models": ["a", "a-alias"]},
+        {"url": "http://127.0.0.1:2", "models": ["b"]},
+        {"url": "http://127.0.0.1:3", "models": ["a"]}]))
+    group_pools(settings, {"pools": {"b": {"priority_ttft_s": 0.5}}}, "a")
+    assert {k: [s.name for s in v] for k, v in settings.pools.items()} == \
+        {"a": ["r0", "r2"], "b": ["r1"]}
+    assert settings.aliases == {"a-alias": "a"}
+    with pytest.raises(ConfigError, match="pools: no replica serves 'c'"):
+        group_pools(settings, {"pools": {"c": {}}}, "a")
+    with pytest.raises(ConfigError, match=r"pools.b: unknown key 'ttft'"):
+        group_pools(settings, {"pools": {"b": {"ttft": 1}}}, "a")
+    with pytest.raises(ConfigError, match=r"pools.b.priority_ttft_s must be a number > 0"):
+        group_pools(settings, {"pools": {"b": {"priority_ttft_s": -1}}}, "a")
+    with pytest.raises(ConfigError, match=r"aliases.x: 'zz' is not a served model"):
+        add_aliases(settings, {"x": "zz"}, {"a", "b"})
+    with pytest.raises(ConfigError, match="is a model or route already"):
+        add_aliases(settings, {"b": "a"}, {"a", "b"})
+    assert parse_fallbacks({"a-alias": "b"}, {"a", "b"}, settings.aliases) == {"a": ["b"]}
+    with pytest.raises(ConfigError, match="'c' is not a served model"):
+        parse_fallbacks({"a": ["c"]}, {"a", "b"}, {})
+    with pytest.raises(ConfigError, match="cannot fall back to itself"):
+        parse_fallbacks({"a": "a"}, {"a", "b"}, {})
+    # --served-model-name renames the first replica's pool
+    renamed = ServerSettings(backends=ServerSettings.parse_backends([
+        {"url": "http://127.0.0.1:1", "models": ["a"]}]))
+    group_pools(renamed, {}, "chat")
+    assert list(renamed.pools) == ["chat"]

@@ -48,6 +48,11 @@ class ModelConfig:
     blocks as int4 groups, its other quantized types as int8); the lm_head is int8 in both.
     CPU kernels for bfloat16; other dtypes and devices dequantize per call."""
 
+    generation_config: str = "auto"
+    """Sampling defaults for requests that give none: auto (the model's
+    generation_config.json, or the published defaults of a model tierserve ships), vllm
+    (none: OpenAI's), or a folder with a generation_config.json."""
+
     def __post_init__(self) -> None:
         self.dtype = resolve_dtype(self.dtype)
 

@@ -46,6 +46,9 @@ class SamplingParams:
     grammar: "GrammarSpec | None" = None
     """Structured output: a JSON schema, JSON, a regex, a choice or a grammar the output
     must follow, enforced token by token (worker/grammar.py)."""
+    defaulted: frozenset = frozenset()
+    """Fields the request did not give, filled with the model's generation defaults or
+    OpenAI's (a fleet gateway leaves them to the replica's own defaults)."""
     logprobs: int | None = None
     """Return each output token's log-probability and the `logprobs` most likely
     alternatives' (0: the token's own only; None: nothing). They are the model's own

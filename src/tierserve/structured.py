@@ -7,7 +7,7 @@ worker/grammar.py's.
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tierserve.errors import InvalidRequestError
 
@@ -24,6 +24,10 @@ class GrammarSpec:
     """The schema as JSON text, the regex, the choices, or the grammar (Lark or GBNF)."""
     param: str = field(default="response_format", compare=False)
     """The request field it came from, named in errors; not part of the cache key."""
+    whitespace: str | None = None
+    """JSON kinds: None for compact JSON (no free whitespace, `,` and `:` alone, as
+    OpenAI writes it), else the regex of whitespace allowed at each gap (vLLM's
+    `structured_outputs.whitespace_pattern`)."""
 
     @classmethod
     def json_schema(cls, schema: dict | str, param: str = "response_format") -> "GrammarSpec":
@@ -59,21 +63,31 @@ class GrammarSpec:
                   "grammar": guided_grammar}
         found += [_from_guided(key, value, f"guided_{key}")
                   for key, value in guided.items() if value is not None]
-        for key, value in (structured_outputs or {}).items():
+        options = dict(structured_outputs or {})
+        pattern = options.pop("whitespace_pattern", None)
+        for key, value in options.items():
             if value is not None and value is not False:
                 found.append(_from_guided(key, value, "structured_outputs"))
         if len(found) > 1:
             raise InvalidRequestError("set at most one of response_format, guided_* and "
                                       "structured_outputs", param=found[1].param)
-        return found[0] if found else None
+        if pattern is None:
+            return found[0] if found else None
+        if not isinstance(pattern, str) or not found or \
+                found[0].kind not in ("json_schema", "json_object"):
+            raise InvalidRequestError("structured_outputs.whitespace_pattern must be a regex "
+                                      "string, beside a JSON constraint",
+                                      param="structured_outputs.whitespace_pattern")
+        return replace(found[0], whitespace=pattern)
 
     def to_vllm(self) -> dict:
         """The same constraint as vLLM's `structured_outputs` object (what a replica in
         fleet mode is sent; a tierserve replica reads it too)."""
+        space = {} if self.whitespace is None else {"whitespace_pattern": self.whitespace}
         if self.kind == "json_schema":
-            return {"json": json.loads(self.value)}
+            return {"json": json.loads(self.value), **space}
         if self.kind == "json_object":
-            return {"json_object": True}
+            return {"json_object": True, **space}
         return {self.kind: list(self.value) if self.kind == "choice" else self.value}
 
 

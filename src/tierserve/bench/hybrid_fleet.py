@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     print(json.dumps(figures["e"]), flush=True)
     a = figures["a"]["cost_per_1k_conversations_usd"]
     parts = " ".join(
-        f"{k}={f['cost_per_1k_conversations_usd']:.4f}({1 - f['cost_per_1k_conversations_usd'] / a:+.0%})"
+        f"{k}={f['cost_per_1k_conversations_usd']:.4f}({f['cost_per_1k_conversations_usd'] / a - 1:+.0%})"
         for k, f in figures.items())
     ttft = " ".join(f"{k}={f['simple_ttft_p50_s']:.3f}/{f['simple_ttft_p99_s']:.3f}"
                     for k, f in figures.items())

@@ -76,6 +76,14 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_source) \
             if self.loaded.tokenizer_source else None
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
+        from tierserve.model.generation import describe, generation_defaults
+        self.generation_defaults, source = generation_defaults(
+            mc.generation_config, None if mc.load_format == "dummy" else self.loaded.source,
+            self.shape.name)
+        if self.generation_defaults:
+            say(f"sampling defaults where a request gives none: "
+                f"{describe(self.generation_defaults)} (from {source}; "
+                "--generation-config vllm: OpenAI's)")
         self.core = EngineCore(config.scheduler, num_blocks, cc.block_size, self.max_model_len,
                                cc.enable_prefix_caching)
         self.core.accounting.sinks.extend(stat_sinks or [])

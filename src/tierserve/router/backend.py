@@ -41,6 +41,9 @@ class Backend(Protocol):
     """Requests it runs at once (admission and the batch runner size by it)."""
     slo: dict
     """Per-tier latency targets (config.SLO), for SLO attainment."""
+    generation_defaults: dict
+    """The model's sampling defaults for fields a request leaves out (model/generation.py;
+    empty: OpenAI's, or the replicas' own)."""
     errored: BaseException | None
     """Set when the backend can no longer serve (health answers 503)."""
     tokenizer: "Tokenizer | None"

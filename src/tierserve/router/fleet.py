@@ -1,7 +1,7 @@
 """Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
 checks, retries and metering.
 
-About 500 lines, kept whole: the Backend methods, the dispatcher and the health loop share
+About 580 lines, kept whole: the Backend methods, the dispatcher and the health loop share
 one request table; a request's dispatch, retry, metering and single finish share its
 `_Request` record, and "finishes exactly once" is readable only in one place.
 
@@ -119,6 +119,9 @@ class FleetBackend:
         """The gateway's flow config before the first `reconfigure`."""
         self.max_model_len = None
         self.max_num_seqs = sum(s.max_num_seqs for s in specs)
+        self.generation_defaults: dict = {}
+        """None here: what a request leaves out is not sent, so each replica applies its
+        model's own defaults."""
         self.tier_map = {t: t for t in Tier}
         """The gateway serves each tier as asked (a replica's own tiers are its own)."""
         self.accounting = Accounting()
@@ -376,7 +379,8 @@ class FleetBackend:
 
     def _upstream(self, req: _Request, spec: remote.ReplicaSpec) -> tuple[str, dict]:
         p = req.params
-        body = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p}
+        body = {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p")
+                if k not in p.defaulted}
         if p.top_k:
             body["top_k"] = p.top_k
         if p.min_tokens:

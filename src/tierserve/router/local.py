@@ -33,6 +33,8 @@ class LocalBackend:
         self.tokenizer = main.tokenizer
         self.max_model_len = main.max_model_len
         self.max_num_seqs = main.config.scheduler.max_num_seqs
+        self.generation_defaults = main.generation_defaults
+        """The model's sampling defaults for what a request leaves out."""
         self.slo = dict(main.config.tiers.slo)
         self.tier_map = deployment.tier_map
         self._sink = None

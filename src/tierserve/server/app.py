@@ -18,8 +18,7 @@ from tierserve.core.stats import RequestStats
 from tierserve.tiers import Tier, resolve
 from tierserve import __version__
 from tierserve.errors import (AuthenticationError, InvalidRequestError, LoadingError,
-                              NotFoundError,
-                              OverloadedError, RequestTooLargeError, TierNotAllowedError,
+                              NotFoundError, RequestTooLargeError, TierNotAllowedError,
                               TierserveError)
 from tierserve.metering.ledger import Ledger
 from tierserve.metering.recorder import Recorder
@@ -103,28 +102,6 @@ class ServerState:
             self.check_model(model)
             raise LoadingError(f"the model `{model}` is still loading")
         return served
-
-    def fallback(self, served: Served, tier: Tier) -> tuple[Served, str] | None:
-        """Where a request for `served` goes instead, and why, when its pool cannot take it
-        now (no healthy replica, or its tier's queue full): the first of its YAML
-        `fallbacks:` that can; None: it stays (and fails clearly if it must)."""
-        why = self._unable(served, tier)
-        if why is None:
-            return None
-        for name in self.settings.fallbacks.get(served.name, ()):
-            other = self.served.get(name)
-            if other is not None and self._unable(other, tier) is None:
-                self.metrics.fallbacks.labels(served.name, name, why).inc()
-                return other, why
-        return None
-
-    @staticmethod
-    def _unable(served: Served, tier: Tier) -> str | None:
-        if served.backend.errored is not None:
-            return "down"
-        if served.admission.full(served.backend.tier_map[tier]):
-            return "queue_full"
-        return None
 
     @property
     def names(self) -> list[str]:

@@ -95,7 +95,7 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, choice: Ch
     backend, admission = choice.served.backend, choice.served.admission
     asked = choice.tier
     served = backend.tier_map[asked]
-    params = [body.sampling_params(i) for i in range(body.n)]
+    params = [body.sampling_params(i, backend.generation_defaults) for i in range(body.n)]
     hidden = choice.escalate is not None and choice.escalate.min_mean_logprob is not None \
         and params[0].logprobs is None
     for p in params if hidden else ():  # the cascade's check reads them; the client not

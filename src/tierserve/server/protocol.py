@@ -108,6 +108,11 @@ class StreamOptions(_Strict):
     continuous_usage_stats: Literal[False] = False
 
 
+SAMPLING_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "max_tokens")
+"""Request fields a model's generation defaults fill where the request gives none."""
+
+
 class _Request(_StrictBody):
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -161,23 +166,36 @@ class _Request(_StrictBody):
                                           code="unsupported_parameter")
         return {k: v for k, v in data.items() if k not in NOT_SUPPORTED}
 
-    def sampling_params(self, choice: int = 0) -> SamplingParams:
-        """Choice i of n gets seed + i, so n choices differ but each is reproducible."""
+    def sampling_params(self, choice: int = 0, defaults: dict | None = None) -> SamplingParams:
+        """Choice i of n gets seed + i, so n choices differ but each is reproducible.
+        `defaults`: the model's sampling defaults (model/generation.py), for the fields
+        this request does not give; those fields are named in `defaulted`."""
+        d = defaults or {}
+        given = self.model_fields_set
+        unset = [f for f in SAMPLING_DEFAULTED
+                 if f not in given or getattr(self, f) is None]
+        if self.max_completion_tokens is not None:
+            unset = [f for f in unset if f != "max_tokens"]
+
+        def pick(name, fallback):
+            return d.get(name, fallback) if name in unset else getattr(self, name)
+
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            max_tokens=self.max_completion_tokens or self.max_tokens,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0) or 0,
+            max_tokens=self.max_completion_tokens or pick("max_tokens", None),
+            defaulted=frozenset(unset),
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []),
             seed=None if self.seed is None else self.seed + choice,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
-            min_p=self.min_p,
+            min_p=pick("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=dict(self.logit_bias or {}),
             grammar=self.grammar_spec(),
             logprobs=self.num_logprobs)

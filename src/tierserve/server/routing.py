@@ -65,12 +65,27 @@ def choose(state, body, tenant, batch: bool = False) -> Choice:
 
 
 def fall_back(state, choice: Choice) -> Choice:
-    """The choice, sent to its model's fallback where that model cannot take it now."""
-    found = state.fallback(choice.served, choice.tier)
-    if found is None:
+    """The choice, sent to the first of its model's YAML `fallbacks:` that can take it,
+    where that model's pool cannot now (no healthy replica, or its tier's queue full);
+    else as it was (and it fails clearly if it must)."""
+    why = _unable(choice.served, choice.tier)
+    if why is None:
         return choice
-    other, why = found
-    return replace(choice, served=other, fallback_from=f"{choice.served.name} ({why})")
+    for name in state.settings.fallbacks.get(choice.served.name, ()):
+        other = state.served.get(name)
+        if other is not None and _unable(other, choice.tier) is None:
+            state.metrics.fallbacks.labels(choice.served.name, name, why).inc()
+            return replace(choice, served=other,
+                           fallback_from=f"{choice.served.name} ({why})")
+    return choice
+
+
+def _unable(served, tier: Tier) -> str | None:
+    if served.backend.errored is not None:
+        return "down"
+    if served.admission.full(served.backend.tier_map[tier]):
+        return "queue_full"
+    return None
 
 
 def rule_tier(state, tier: Tier | None, asked: Tier, tenant) -> Tier:

@@ -52,8 +52,9 @@ def grammar(body) -> GrammarSpec | None:
     """`required` and named choices: the calls' JSON, enforced token by token."""
     if not active(body) or body.tool_choice in (None, "auto"):
         return None
-    schema = tool_calls_schema(chosen_tools(body), parallel=body.parallel_tool_calls)
-    if not body.parallel_tool_calls:
+    one = not body.parallel_tool_calls or isinstance(body.tool_choice, dict)
+    schema = tool_calls_schema(chosen_tools(body), parallel=not one)
+    if one:  # parallel_tool_calls false, or a named function: exactly one call
         schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
     return GrammarSpec.json_schema(schema, param="tool_choice")
 
