@@ -195,8 +195,11 @@ def test_structured_output_follows_the_schema_whole_and_streamed(server):
         model=MODEL, messages=ask, response_format=fmt, temperature=1.0, seed=2,
         max_tokens=200, stream=True) if ch.choices)
     assert streamed == r.choices[0].message.content
-    obj = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=100, temperature=0,
-                                    response_format={"type": "json_object"})
+    # (greedy, "Describe a pet as JSON." loops in an array of numbers under compact JSON:
+    # this 135M model's own failure, which free whitespace avoided by chance)
+    obj = c.chat.completions.create(model=MODEL, max_tokens=100, temperature=0, messages=[
+        {"role": "user", "content": "Give a JSON object with a pet's name and age."}],
+        response_format={"type": "json_object"})
     assert isinstance(json.loads(obj.choices[0].message.content), dict)
     choice = c.completions.create(model=MODEL, prompt="The best pet is a", max_tokens=10,
                                   extra_body={"guided_choice": ["cat", "dog", "bird"]})

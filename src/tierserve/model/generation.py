@@ -22,8 +22,10 @@ FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
 """generation_config.json key -> the request field it defaults."""
 KNOWN = (
     # (what the file name or GGUF name contains, defaults, where they come from)
-    ("smollm2", {"temperature": 0.2, "top_p": 0.9},
-     "SmolLM2-135M-Instruct's model card (its generate example)"),
+    ("smollm2", {"temperature": 0.2, "top_p": 0.9, "max_tokens": 256},
+     "SmolLM2-135M-Instruct's model card (temperature, top_p); max_tokens is tierserve's "
+     "cap for this 135M model, which at any temperature above 0 sometimes loops to the "
+     "end of its context"),
     ("gemma-3", {"temperature": 1.0, "top_k": 64, "top_p": 0.95},
      "Gemma 3's generation_config.json"),
     ("gemma3", {"temperature": 1.0, "top_k": 64, "top_p": 0.95},
