@@ -21,13 +21,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m tierserve.model.kernels || true
 	# Measure this machine's step times for the default configuration once, so that
 	# `make serve` starts without calibrating (about 20 s; kept across installs).
-	$(VENV)/bin/tierserve calibrate --for-serve || true
+	$(VENV)/bin/tierserve calibrate --for-serve --quantization gguf || true
 	touch $@
 
 install: $(VENV)/.installed
 
+# The GGUF's own 4-bit weights: on a CPU about twice bf16's tokens/s at one stream and
+# 1.5x at four, the few a first user sends (README, "Which to pick"; bf16 leads at 64).
 serve: install
-	$(VENV)/bin/tierserve serve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/tierserve serve --host 127.0.0.1 --port 8000 --quantization gguf
 
 # Two processes: in-process engines and servers are not all given back to the system, and
 # one process running the whole suite reached the machine's 24 GiB.

@@ -113,6 +113,8 @@ def test_requests_go_to_the_pool_of_their_model_alias_or_route(fleet):
     metrics = httpx.get(fleet["url"] + "/metrics", timeout=10).text
     assert 'tierserve_request_finished_total{finish_reason="length",model="large",tier="default"}' \
         in metrics
+    units = httpx.get(fleet["url"] + "/dashboard/data", timeout=10).json()["units"]
+    assert {(u["model"], u["name"]) for u in units} == {(SMALL, "small/r0"), (LARGE, "large/r1")}
 
 
 def test_a_dead_pool_falls_back_billed_once_and_labelled(fleet):

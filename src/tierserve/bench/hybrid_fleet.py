@@ -37,18 +37,19 @@ from tierserve.route.conversations import workload
 
 PRICE = 3.6
 """USD per hour of each replica's core (both pools alike)."""
+SLO = {"priority": (3.0, 0.3), "default": (5.0, 0.5)}
+"""(TTFT s, TPOT s) per tier: what one core can hold for the 1B stand-in at this load
+(the plan is asked for the same)."""
 
 
 def replica_cmd(port: int, name: str, args) -> list[str]:
     from tierserve.model.metadata import default_model_path
-    from tierserve.server.serve import DEFAULT_CPU_PROFILE
 
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--host", "127.0.0.1", "--port",
            str(port), "--served-model-name", name, "--no-ledger", "--no-batches",
            "--machine-price-per-hour", str(PRICE), "--kv-cache-memory-gb", "1"]
-    if name == "small":
-        return cmd + ["--max-num-seqs", "16", "--step-time-profile", DEFAULT_CPU_PROFILE,
-                      "--quantization", args.small_quantization]
+    if name == "small":  # calibrated on one thread, as it runs (cached after the first)
+        return cmd + ["--max-num-seqs", "16", "--quantization", args.small_quantization]
     return cmd + [LARGE, "--load-format", "dummy", "--dtype", "bfloat16", "--quantization",
                   "none", "--tokenizer", str(default_model_path()),
                   "--max-num-seqs", str(args.large_max_num_seqs)]
@@ -91,15 +92,25 @@ async def send(url: str, requests: list[dict], choose, phase: str, rate: float, 
 def rows_of(ledger: str, phase: str) -> list[dict]:
     con = sqlite3.connect(ledger, timeout=30)
     rows = con.execute("SELECT model, tier_served, prefill_cost, decode_cost, tags, "
-                       "mean_batch_size FROM requests").fetchall()
+                       "mean_batch_size, queue_s, prefill_s, decode_s, output_tokens "
+                       "FROM requests").fetchall()
     con.close()
     out = []
-    for model, tier, prefill, decode, tags, batch in rows:
+    for model, tier, prefill, decode, tags, batch, queue_s, prefill_s, decode_s, n in rows:
         t = json.loads(tags or "{}")
         if t.get("phase") == phase:
             out.append({"model": model, "tier": tier, "prefill": prefill, "decode": decode,
-                        "label": t.get("label"), "mean_batch": batch})
+                        "label": t.get("label"), "mean_batch": batch,
+                        "ttft_s": (queue_s or 0) + (prefill_s or 0),
+                        "tpot_s": (decode_s or 0) / max(n - 1, 1)})
     return out
+
+
+def attainment(rows: list[dict]) -> float | None:
+    """Share of requests within their served tier's SLO (SLO: TTFT and TPOT)."""
+    met = [r["ttft_s"] <= SLO[r["tier"]][0] and r["tpot_s"] <= SLO[r["tier"]][1]
+           for r in rows if r["tier"] in SLO]
+    return sum(met) / len(met) if met else None
 
 
 def summarize(phase: str, results: list[dict], rows: list[dict], n: int) -> dict:
@@ -118,6 +129,7 @@ def summarize(phase: str, results: list[dict], rows: list[dict], n: int) -> dict
             "simple_ttft_p50_s": percentile(simple, 0.5),
             "simple_ttft_p99_s": percentile(simple, 0.99),
             "routing_accuracy": right / len(rows) if rows else None,
+            "slo_attainment": attainment(rows),
             "large_mean_batch": sum(large) / len(large) if large else None}
 
 
@@ -154,6 +166,39 @@ def run_phase(phase: str, choose, requests, tmp: str, classifier: str, args) -> 
             loopback.stop(proc)
 
 
+def workload_span_s(args) -> float:
+    """The last arrival's time, as `send` spaces them."""
+    rng, at = random.Random(args.seed), 0.0
+    for _ in range(args.conversations - 1):
+        at += rng.expovariate(args.rate)
+    return at
+
+
+def plan_lines(tmp: str, args) -> list[str]:
+    """`tierserve plan --hybrid` for the same workload on the replicas' own calibrations
+    (read from the last phase's logs)."""
+    import re
+    import subprocess
+
+    paths = {}
+    for name in ("small", "large"):
+        with open(os.path.join(tmp, f"e-{name}.log")) as f:
+            found = re.findall(r"step-time model from (\S+\.json)", f.read())
+        if not found:
+            return [f"no calibration of the {name} replica found in its log"]
+        paths[name] = found[-1]
+    cmd = [sys.executable, "-m", "tierserve.cli", "plan", "--model", LARGE, "--hybrid",
+           "smollm2-135m", "--hybrid-profiles", f"{paths['small']},{paths['large']}",
+           "--hybrid-price-per-hour", str(PRICE),
+           "--slo", "priority=%g,%g" % SLO["priority"], "--slo", "default=%g,%g" % SLO["default"],
+           "--hybrid-requests", str(args.conversations), "--hybrid-rate", str(args.rate),
+           "--hybrid-output-tokens", str(args.max_tokens), "--seed", str(args.seed),
+           "--max-num-seqs", str(args.large_max_num_seqs), "--max-replicas", "4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    return [" ".join(cmd[2:])] + (r.stdout.strip().splitlines() or
+                                  [r.stderr.strip().splitlines()[-1]])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--conversations", type=int, default=40)
@@ -183,6 +228,17 @@ def main(argv=None) -> int:
     figures["e"] = run_phase("e", lambda i: ("large", "default") if draws[i] else
                              ("small", "priority"), requests, tmp, trained["out"], args)
     print(json.dumps(figures["e"]), flush=True)
+    plan = plan_lines(tmp, args)
+    for line in plan:
+        print(f"plan: {line}", flush=True)
+    span_h = workload_span_s(args) / 3600
+    machines = {k: (1 if k in ("a", "b") else 2) for k in figures}
+    hours = " ".join(f"{k}={1000 * machines[k] * PRICE * span_h / args.conversations:.4f}"
+                     for k in figures)
+    print(f"measured fleets: a, b 1 replica (large); c, d, e 1 + 1; replica-hours over the "
+          f"arrivals per 1K conversations {hours} USD; SLO attainment "
+          + " ".join(f"{k}={f['slo_attainment']:.2f}" for k, f in figures.items()),
+          flush=True)
     a = figures["a"]["cost_per_1k_conversations_usd"]
     parts = " ".join(
         f"{k}={f['cost_per_1k_conversations_usd']:.4f}({f['cost_per_1k_conversations_usd'] / a - 1:+.0%})"

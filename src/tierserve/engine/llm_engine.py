@@ -76,6 +76,12 @@ class LLMEngine:
         self.tokenizer = Tokenizer.load(self.loaded.tokenizer_source) \
             if self.loaded.tokenizer_source else None
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
+        if mc.quantization == "none" and mc.device == "cpu" and \
+                str(self.loaded.source).endswith(".gguf"):
+            say("weights in bfloat16 (--quantization none); --quantization gguf keeps this "
+                "file's 4-bit blocks packed: on a CPU about 2x bf16's tokens/s at one stream "
+                "and 1.5x at four, even at 16, behind at 64 (docs/benchmarks.md; `make "
+                "serve` uses gguf)")
         from tierserve.model.generation import describe, generation_defaults
         self.generation_defaults, source = generation_defaults(
             mc.generation_config, None if mc.load_format == "dummy" else self.loaded.source,

@@ -124,6 +124,14 @@ def m005_tenants_and_keys(db: Database) -> None:
         )""")
 
 
+@migration
+def m006_shared_holds_and_buckets(db: Database) -> None:
+    # Budget holds and rate-limit buckets shared by the gateways of one database
+    # (metering/shared.py; unused with SQLite, where one process keeps them in memory).
+    from tierserve.metering.shared import migrate_shared
+    migrate_shared(db)
+
+
 def connect(path: str | Path, migrations: list | None = None) -> Database:
     """Open (creating if needed) and migrate the ledger at `path`, a SQLite file or a
     `postgresql://` URL (or another database with its own list of `migrations`, such as
@@ -169,6 +177,7 @@ _BARRIER = object()  # a queue item: commit now, then call back
 _INSERT_IDLE = ('INSERT INTO idle (start, "end", model, cost, reserved_cost) '
                 'VALUES (?, ?, ?, ?, ?)')
 _SPENT = "SELECT coalesce(sum(charge), 0) FROM requests WHERE tenant = ? AND time >= ?"
+_SETTLE_HOLD = "DELETE FROM holds WHERE request_id = ?"
 
 
 class Ledger:
@@ -191,10 +200,16 @@ class Ledger:
     def dialect(self) -> str:
         return "postgresql" if is_postgres(self.path) else "sqlite"
 
-    def record(self, row: RequestRow) -> None:
+    def record(self, row: RequestRow, settles_hold: bool = False) -> None:
+        """Queue a request's row; `settles_hold`: also delete its shared budget hold
+        (metering/shared.py), queued right after the row, so the two commit together
+        (or, split across two commits, the hold outlives the row by one commit: counted
+        twice for a moment, never neither)."""
         values = asdict(row)
         values["tags"] = json.dumps(row.tags, sort_keys=True)
         self._queue.put((_INSERT_REQUEST, tuple(values[c] for c in _REQUEST_COLUMNS)))
+        if settles_hold:
+            self._queue.put((_SETTLE_HOLD, (row.request_id,)))
 
     def barrier(self, callback) -> None:
         """Commit everything queued now, then call `callback()` (from the writer thread;

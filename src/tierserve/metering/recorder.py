@@ -17,7 +17,9 @@ NOTE: budgets hold under concurrency
     (or is aborted) the reservation is settled to the real charge; a request that never
     reached the engine releases it (`forget`). So however many requests a tenant sends at
     once, its spend can pass its budget by at most one request's worst case: the last one
-    admitted while something was left.
+    admitted while something was left. Gateways sharing a PostgreSQL ledger hold and
+    settle in the database instead (metering/shared.py), so the bound is for all of them
+    together.
 """
 
 import asyncio
@@ -105,6 +107,12 @@ class Recorder:
         self._hold_lock = threading.Lock()  # reserve (event loop) vs settle (engine thread)
         self.shared_refresh_s = 0.5
         """How stale another gateway's spend may be (a shared PostgreSQL ledger)."""
+        self.shared = None
+        """metering/shared.py's SharedState where the ledger is a PostgreSQL database:
+        holds and rate-limit buckets that every gateway of it shares."""
+        if ledger is not None and ledger.dialect == "postgresql":
+            from tierserve.metering.shared import SharedState
+            self.shared = SharedState(ledger.path)
 
     def attach(self, engine, price_per_hour: float, reserved_fraction: float,
                model: str | None = None) -> CostMeter:
@@ -134,19 +142,37 @@ class Recorder:
         budget = self.budgets.get(tenant)
         if budget is None:
             return
+        if self.shared is not None:
+            return self._hold_shared(tenant, budget, holds)
         with self._hold_lock:  # a request settling meanwhile moves held to spent at once
             self._hold(tenant, budget, self.spent(tenant), holds)
+
+    def _hold_shared(self, tenant: str, budget: Budget, holds: list[tuple[str, float]]) -> None:
+        from tierserve.metering.shared import Refused
+        try:
+            self.shared.hold(tenant, budget.amount_usd, budget.period_start(time.time()),
+                             holds)
+        except Refused as exc:
+            self._refuse(tenant, budget, exc.found["spent"], exc.found["held"])
+        with self._hold_lock:  # this gateway's part, for reserved() and the settle
+            for request_id, usd in holds:
+                self._holds[request_id] = (tenant, usd)
+                self._reserved[tenant] = self._reserved.get(tenant, 0.0) + usd
+
+    @staticmethod
+    def _refuse(tenant: str, budget: Budget, spent: float, reserved: float):
+        raise OverloadedError(
+            f"tenant {tenant!r} has used its budget of ${budget.amount_usd:g} per "
+            f"{budget.period} (spent ${spent:.6f}, ${reserved:.6f} held by requests "
+            "running); requests resume next period, when the budget is raised, or "
+            "(if something is held) when running requests finish",
+            retry_after_s=1 if reserved else 3600, code="insufficient_quota")
 
     def _hold(self, tenant: str, budget: Budget, spent: float,
               holds: list[tuple[str, float]]) -> None:
         reserved = self._reserved.get(tenant, 0.0)
         if spent + reserved >= budget.amount_usd:
-            raise OverloadedError(
-                f"tenant {tenant!r} has used its budget of ${budget.amount_usd:g} per "
-                f"{budget.period} (spent ${spent:.6f}, ${reserved:.6f} held by requests "
-                "running); requests resume next period, when the budget is raised, or "
-                "(if something is held) when running requests finish",
-                retry_after_s=1 if reserved else 3600, code="insufficient_quota")
+            self._refuse(tenant, budget, spent, reserved)
         for request_id, usd in holds:
             self._holds[request_id] = (tenant, usd)
             reserved += usd
@@ -211,16 +237,18 @@ class Recorder:
                     self.spent(pending.tenant)  # loads the period's spend (row not yet in)
                     start, total = self._spend[pending.tenant]
                 self._spend[pending.tenant] = (start, total + charge)
+            held = stats.request_id in self._holds
             self._release(stats.request_id)
         if note:
             pending.tags = {**pending.tags, **{f"tierserve.{k}": v for k, v in note.items()}}
         if self.ledger is not None:
-            self._write(stats, cost, charge, pending)
+            self._write(stats, cost, charge, pending, held and self.shared is not None)
         return charge
 
-    def _write(self, stats, cost: RequestCost, charge: float, pending: _Pending) -> None:
+    def _write(self, stats, cost: RequestCost, charge: float, pending: _Pending,
+               settles_hold: bool = False) -> None:
         finished = stats.finished_time if stats.finished_time is not None else time.monotonic()
-        self.ledger.record(RequestRow(
+        self.ledger.record(settles_hold=settles_hold, row=RequestRow(
             time=finished + self._unix_offset, request_id=stats.request_id,
             tenant=pending.tenant, model=pending.model or self.model,
             tier_requested=pending.tier_requested.label,
@@ -253,7 +281,10 @@ class Recorder:
         """A request that never reached the engine (an error while adding it)."""
         self._pending.pop(request_id, None)
         with self._hold_lock:
+            held = request_id in self._holds
             self._release(request_id)
+        if held and self.shared is not None:
+            self.shared.release([request_id])
 
     # ------------------------------------------------------------------ idle
     def accrue(self) -> None:
@@ -303,4 +334,6 @@ class Recorder:
             engine.set_metering(None)
         if self.ledger is not None:
             self.ledger.close()
+        if self.shared is not None:
+            self.shared.close()
 

@@ -61,7 +61,7 @@ class ServerState:
                                  if settings.ledger_target else None,
                                  settings.budgets)
         self.metrics.watch_idle(self.recorder)
-        self.limiter = RateLimiter(settings.rate_limits)
+        self.limiter = RateLimiter(settings.rate_limits, shared=self.recorder.shared)
         self.tenants = TenantStore(self, settings.ledger_target)
         self.backend: Backend | None = None
         self.admission: Admission | None = None

@@ -68,9 +68,12 @@ def _duration(seconds: float) -> str:
 
 
 class RateLimiter:
-    def __init__(self, limits: dict[str, RateLimit], clock=time.monotonic):
+    def __init__(self, limits: dict[str, RateLimit], clock=time.monotonic, shared=None):
+        """`shared`: metering/shared.py's SharedState (gateways of one PostgreSQL
+        database): the buckets live there, one per tenant and kind for all of them."""
         self.limits = dict(limits)
         self.clock = clock
+        self.shared = shared
         self._buckets: dict[tuple[str, str], _Bucket] = {}
 
     def set(self, tenant: str, limit: RateLimit | None) -> None:
@@ -81,6 +84,16 @@ class RateLimiter:
             self.limits[tenant] = limit
         self._buckets.pop((tenant, "requests"), None)
         self._buckets.pop((tenant, "tokens"), None)
+        if self.shared is not None:
+            self.shared.reset(tenant)
+
+    def _wants(self, tenant: str, requests: int, tokens: int) -> list:
+        limit = self.limits.get(tenant)
+        if limit is None:
+            return []
+        return [(kind, per_minute, amount) for kind, per_minute, amount in
+                (("requests", limit.requests_per_minute, requests),
+                 ("tokens", limit.tokens_per_minute, tokens)) if per_minute is not None]
 
     def _pairs(self, tenant: str, now: float):
         limit = self.limits.get(tenant)
@@ -101,6 +114,8 @@ class RateLimiter:
     def take(self, tenant: str, requests: int, tokens: int) -> dict[str, str]:
         """Take `requests` and `tokens` from the tenant's buckets, or raise 429 taking
         nothing. Returns the x-ratelimit-* headers (empty for an unlimited tenant)."""
+        if self.shared is not None:
+            return self._take_shared(tenant, requests, tokens)
         now = self.clock()
         pairs = self._pairs(tenant, now)
         want = {"requests": requests, "tokens": tokens}
@@ -122,8 +137,42 @@ class RateLimiter:
             bucket.level -= want[kind]
         return self._headers(pairs)
 
+    def _take_shared(self, tenant: str, requests: int, tokens: int) -> dict[str, str]:
+        from tierserve.metering.shared import Refused
+
+        wants = self._wants(tenant, requests, tokens)
+        if not wants:
+            return {}
+        try:
+            got = self.shared.take(tenant, wants)
+        except Refused as exc:
+            kind, wait = exc.found["kind"], exc.found["wait_s"]
+            per_minute = next(p for k, p, _ in wants if k == kind)
+            headers = {f"x-ratelimit-limit-{k}": str(int(p)) for k, p, _ in wants}
+            if math.isinf(wait):
+                raise OverloadedError(
+                    f"this request needs {requests if kind == 'requests' else tokens} {kind} "
+                    f"but tenant {tenant!r} may use at most {int(per_minute)} {kind} per "
+                    "minute; lower max_tokens or the prompt", retry_after_s=60,
+                    code="rate_limit_exceeded", headers=headers)
+            raise OverloadedError(
+                f"rate limit reached for tenant {tenant!r}: {kind} per minute; retry in "
+                f"{math.ceil(wait)} s", retry_after_s=math.ceil(wait),
+                code="rate_limit_exceeded", headers=headers)
+        out = {}
+        for kind, (capacity, level, reset) in got.items():
+            out[f"x-ratelimit-limit-{kind}"] = str(int(capacity))
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level)))
+            out[f"x-ratelimit-reset-{kind}"] = _duration(reset)
+        return out
+
     def give_back(self, tenant: str, requests: int, tokens: int) -> None:
         """Return what `take` took for a request refused later in admission."""
+        if self.shared is not None:
+            wants = self._wants(tenant, requests, tokens)
+            if wants:
+                self.shared.give_back(tenant, wants)
+            return
         for kind, bucket in self._pairs(tenant, self.clock()):
             bucket.level = min(bucket.capacity, bucket.level + (
                 requests if kind == "requests" else tokens))

@@ -1,6 +1,7 @@
 """The simulator's commands: `tierserve sim` (one engine or a fleet; `--report
 fast-vs-batch`) and `tierserve plan` (the capacity planner built on it)."""
 
+import os
 import sys
 import time
 
@@ -198,6 +199,18 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _profiles(raw: str | None) -> tuple[str, str] | None:
+    if raw is None:
+        return None
+    parts = [p for p in raw.split(",") if p]
+    if len(parts) != 2:
+        raise TierserveError(f"--hybrid-profiles takes SMALL.json,LARGE.json, got {raw!r}")
+    for path in parts:
+        if not os.path.isfile(path):
+            raise TierserveError(f"--hybrid-profiles: no file {path}")
+    return parts[0], parts[1]
+
+
 def _plan_hybrid(args, slo: dict) -> int:
     from tierserve.model.metadata import resolve
     from tierserve.sim.hybrid import compare
@@ -210,7 +223,9 @@ def _plan_hybrid(args, slo: dict) -> int:
                      parse_list(args.max_num_seqs or "64,256", int, "--max-num-seqs"),
                      parse_list(args.max_num_batched_tokens or "2048", int,
                                 "--max-num-batched-tokens"),
-                     args.attainment, args.hard_share, args.tp)
+                     args.attainment, args.hard_share, args.tp,
+                     _profiles(args.hybrid_profiles), args.hybrid_price_per_hour,
+                     args.hybrid_output_tokens)
     print(f"plan --hybrid: {time.perf_counter() - start:.1f} s of wall time", file=sys.stderr)
     print(f"customer-service conversations: {args.hybrid_requests} at "
           f"{args.hybrid_rate:g}/s, {args.hard_share:.0%} hard (route/conversations.py)")
@@ -334,6 +349,14 @@ def add_parsers(sub) -> None:
     h.add_argument("--hybrid-requests", type=int, default=600)
     h.add_argument("--hybrid-rate", type=float, default=10.0, help="arrivals per second")
     h.add_argument("--hard-share", type=float, default=0.3)
+    h.add_argument("--hybrid-profiles", default=None, metavar="SMALL.json,LARGE.json",
+                   help="`tierserve calibrate` files of the two models on this CPU (the "
+                        "pools are cpu-local machines) instead of --hardware's rooflines")
+    h.add_argument("--hybrid-price-per-hour", type=float, default=None,
+                   help="with --hybrid-profiles: USD per hour of one replica's machine")
+    h.add_argument("--hybrid-output-tokens", type=int, default=None,
+                   help="every request's output tokens (as a benchmark sends them with "
+                        "ignore_eos); default: drawn per class")
     h.add_argument("--seed", type=int, default=0)
     f = plan.add_argument_group("hour by hour (from `tierserve forecast --out`)")
     f.add_argument("--forecast", default=None, metavar="FILE",

@@ -25,8 +25,10 @@ HARD_OUTPUT = (128, 512)
 """Output tokens drawn uniformly per class."""
 
 
-def hybrid_workload(n: int, rate: float, seed: int = 0,
-                    hard_share: float = 0.3) -> list[tuple[SimRequest, bool]]:
+def hybrid_workload(n: int, rate: float, seed: int = 0, hard_share: float = 0.3,
+                    output_tokens: int | None = None) -> list[tuple[SimRequest, bool]]:
+    """`output_tokens`: every request's (as a benchmark sends with ignore_eos); None:
+    drawn per class."""
     rng = random.Random(seed)
     out, t = [], 0.0
     for conv in conversations(n, seed=seed, hard_share=hard_share, label_noise=0.0):
@@ -34,7 +36,8 @@ def hybrid_workload(n: int, rate: float, seed: int = 0,
         chars = sum(len(m["content"]) + 8 for m in conv["messages"])
         low, high = HARD_OUTPUT if hard else SIMPLE_OUTPUT
         t += rng.expovariate(rate)
-        out.append((SimRequest(t, "priority", max(8, chars // 4), rng.randint(low, high),
+        n_out = rng.randint(low, high)
+        out.append((SimRequest(t, "priority", max(8, chars // 4), output_tokens or n_out,
                                shared_prefix=8), hard))
     return out
 
@@ -72,13 +75,16 @@ class Comparison:
 def compare(large_shape, small_shape, large_hw: str, small_hw: str, slo: dict, n: int,
             rate: float, seed: int, max_replicas: int, max_num_seqs: list[int],
             budgets: list[int], attainment: float = 0.9, hard_share: float = 0.3,
-            tp: int = 1) -> Comparison:
+            tp: int = 1, profiles: tuple[str, str] | None = None,
+            price_per_hour: float | None = None,
+            output_tokens: int | None = None) -> Comparison:
     """`slo`: tier -> (ttft_s, tpot_s); priority's applies to the fast lanes, default's to
     the large model's batched pool. `tp`: the large model's (the small one runs on one
-    device)."""
+    device). `profiles`: (small, large) `tierserve calibrate` files, on `cpu-local`
+    machines at `price_per_hour`, instead of the rooflines of the hardware."""
     if "priority" not in slo or "default" not in slo:
         raise ConfigError("plan --hybrid needs --slo priority=... and --slo default=...")
-    items = hybrid_workload(n, rate, seed, hard_share)
+    items = hybrid_workload(n, rate, seed, hard_share, output_tokens)
     everything = [r for r, _ in items]
     simple = [r for r, hard in items if not hard]
     hard = [SimRequest(r.arrival_s, "default", r.prompt_tokens, r.output_tokens,
@@ -86,12 +92,16 @@ def compare(large_shape, small_shape, large_hw: str, small_hw: str, slo: dict, n
     if not simple or not hard:
         raise ConfigError("the workload needs both simple and hard requests")
 
-    def best(shape, hw, reqs, tiers, tp) -> Fit:
-        planner = Planner(shape, {t: slo[t] for t in tiers}, attainment, tp, seed=seed)
-        return planner.search(reqs, [hw], ["shared"], max_num_seqs, budgets,
-                              max_replicas)[0]
+    small_profile, large_profile = profiles or (None, None)
+
+    def best(shape, hw, reqs, tiers, tp, profile) -> Fit:
+        planner = Planner(shape, {t: slo[t] for t in tiers}, attainment, tp, seed=seed,
+                          step_time_profile=profile, price_per_hour=price_per_hour)
+        return planner.search(reqs, ["cpu-local" if profile else hw], ["shared"],
+                              max_num_seqs, budgets, max_replicas)[0]
 
     span_h = everything[-1].arrival_s / 3600
-    return Comparison(best(large_shape, large_hw, everything, ["priority"], tp),
-                      best(small_shape, small_hw, simple, ["priority"], 1),
-                      best(large_shape, large_hw, hard, ["default"], tp), span_h, n)
+    return Comparison(best(large_shape, large_hw, everything, ["priority"], tp, large_profile),
+                      best(small_shape, small_hw, simple, ["priority"], 1, small_profile),
+                      best(large_shape, large_hw, hard, ["default"], tp, large_profile),
+                      span_h, n)

@@ -68,8 +68,11 @@ class Planner:
     def __init__(self, shape, slo: dict, attainment: float = 0.9, tp: int = 1,
                  dtype_bytes: int = 2, block_size: int = 16, router: str = "least-tokens",
                  dedicated_replicas: int = 1, dedicated_max_num_seqs: int = 1,
-                 policy: str = "tiered", seed: int = 0):
-        """`slo`: tier -> (ttft_s, tpot_s), either may be None."""
+                 policy: str = "tiered", seed: int = 0, step_time_profile: str | None = None,
+                 price_per_hour: float | None = None):
+        """`slo`: tier -> (ttft_s, tpot_s), either may be None; `step_time_profile`: a
+        `tierserve calibrate` file instead of the roofline (its hardware is `cpu-local`,
+        priced at `price_per_hour`)."""
         if not slo:
             raise ConfigError("plan needs at least one --slo TIER=TTFT_S,TPOT_S")
         if not 0 < attainment <= 1:
@@ -81,6 +84,7 @@ class Planner:
         self.fleet = FleetConfig(router=router, dedicated_replicas=dedicated_replicas,
                                  dedicated_max_num_seqs=dedicated_max_num_seqs)
         self.policy, self.seed = policy, seed
+        self.profile, self.price_per_hour = step_time_profile, price_per_hour
         self.num_simulations = 0
         self.best_miss: tuple[float, str] = (-1.0, "")
         """The highest worst-tier attainment seen among configurations that missed."""
@@ -90,8 +94,9 @@ class Planner:
 
     def machine(self, hardware: str) -> Machine:
         if hardware not in self._machines:
-            self._machines[hardware] = machine_for(self.shape, hardware, self.tp,
-                                                   self.dtype_bytes, self.block_size)
+            self._machines[hardware] = machine_for(
+                self.shape, hardware, self.tp, self.dtype_bytes, self.block_size,
+                price_per_hour=self.price_per_hour, step_time_profile=self.profile)
         return self._machines[hardware]
 
     # ------------------------------------------------------------- one cell
@@ -137,7 +142,8 @@ class Planner:
                max_replicas: int, progress=None) -> list[Fit]:
         """Every cell's smallest fleet that meets the SLOs, cheapest first."""
         for h in hardware:
-            load_hardware(h)  # an unknown name is an error, not a skip
+            if not self.profile:
+                load_hardware(h)  # an unknown name is an error, not a skip
             try:
                 self.machine(h)
             except ConfigError as exc:  # the model does not fit, or no price for it

@@ -1,0 +1,173 @@
+"""Several gateways as one (issue 31): four gateways with one PostgreSQL database in front
+of the same two real tierserve replicas share a tenant's budget holds and rate-limit
+buckets; a gateway killed with SIGKILL leaves holds that stop counting within their
+lease. PostgreSQL is a throwaway server (tests/pg.py)."""
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fleet_util import MODEL, Gateway, TierserveReplica, free_port
+from pg import pg_database, pg_server  # noqa: F401,F811 (fixtures)
+from tierserve.metering import shared
+from tierserve.metering.recorder import Budget
+from tierserve.server.limits import RateLimit
+from tierserve.server.settings import ServerSettings, Tenant
+from tierserve.tiers import Tier
+
+PROMPT = "Count: one two three"
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("replicas")
+    reps = [TierserveReplica(logs, "a"), TierserveReplica(logs, "b")]
+    try:
+        yield [r.wait_ready() for r in reps]
+    finally:
+        for r in reps:
+            r.kill()
+
+
+def gateways(replicas, database, n, **settings):
+    return [Gateway([r.spec() for r in replicas], ServerSettings(
+        api_keys={"sk-a": Tenant("a")}, database=database, **settings)) for _ in range(n)]
+
+
+def post(url, max_tokens=MAX_TOKENS, timeout=120):
+    return httpx.post(url + "/v1/completions", headers={"Authorization": "Bearer sk-a"},
+                      json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                            "ignore_eos": True}, timeout=timeout)
+
+
+def rows(database, sql):
+    import psycopg
+    with psycopg.connect(database) as db:
+        return db.execute(sql).fetchall()
+
+
+def test_four_gateways_overshoot_a_tiny_budget_by_at_most_one_request(
+        replicas, pg_database):  # noqa: F811
+    """64 concurrent requests through 4 gateways against a budget of about 10 requests:
+    the tenant's total charge stays under budget + one request's worst case, every
+    admitted request is billed once, refused ones get 429 insufficient_quota, and no hold
+    is left."""
+    from tierserve.metering.prices import PriceList
+    worst = PriceList().charge(Tier.DEFAULT, len(PROMPT.encode()), 0, MAX_TOKENS)
+    budget = 10 * worst
+    gws = gateways(replicas, pg_database, 4, budgets={"a": Budget(budget, "day")})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(64) as pool:
+            got = list(pool.map(lambda i: post(gws[i % 4].url), range(64)))
+        for g in gws:
+            g.app.state.tierserve.recorder.ledger.close()  # everything committed
+    finally:
+        for g in gws:
+            g.stop()
+    ok = [r for r in got if r.status_code == 200]
+    refused = [r for r in got if r.status_code == 429]
+    assert len(ok) + len(refused) == 64
+    assert all(r.json()["error"]["code"] == "insufficient_quota" for r in refused)
+    assert ok and refused
+    (count, total), = rows(pg_database, "SELECT count(*), coalesce(sum(charge), 0) FROM "
+                                        "requests WHERE tenant = 'a'")
+    assert count == len(ok)
+    assert total == pytest.approx(sum(r.json()["usage"]["cost"] for r in ok))
+    assert total <= budget + worst, (total, budget, worst)
+    assert rows(pg_database, "SELECT count(*) FROM holds") == [(0,)]
+    dup = rows(pg_database, "SELECT request_id FROM requests GROUP BY request_id "
+                            "HAVING count(*) > 1")
+    assert dup == []
+
+
+def test_a_tenant_s_rate_limit_holds_across_gateways(replicas, pg_database):  # noqa: F811
+    """8 requests per minute across 4 gateways: 24 sent at once get the bucket's 8 (and
+    what refills meanwhile), not 4 x 8; the headers count the shared bucket down."""
+    gws = gateways(replicas, pg_database, 4,
+                   rate_limits={"a": RateLimit(requests_per_minute=8)})
+    try:
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            got = list(pool.map(lambda i: post(gws[i % 4].url, 2), range(24)))
+        elapsed = time.monotonic() - start
+    finally:
+        for g in gws:
+            g.stop()
+    ok = [r for r in got if r.status_code == 200]
+    refill = elapsed * 8 / 60
+    assert 8 <= len(ok) <= 8 + int(refill) + 1, (len(ok), elapsed)
+    refused = [r for r in got if r.status_code == 429]
+    assert all(r.json()["error"]["code"] == "rate_limit_exceeded" for r in refused)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    remaining = sorted(int(r.headers["x-ratelimit-remaining-requests"]) for r in ok)
+    assert remaining[0] == 0 and ok[0].headers["x-ratelimit-limit-requests"] == "8"
+
+
+def test_a_killed_gateway_s_holds_stop_counting_within_their_lease(
+        replicas, pg_database, tmp_path, monkeypatch):  # noqa: F811
+    """A gateway (its own process, lease 3 s) holds budget for 6 long requests and is
+    killed with SIGKILL: its clients' connections fail (nothing is left waiting), its holds
+    stop counting within the lease, and another gateway then admits the tenant again."""
+    from tierserve.metering.prices import PriceList
+    monkeypatch.setattr(shared, "LEASE_S", 3.0)  # this process's gateway renews often too
+    worst = PriceList().charge(Tier.DEFAULT, len(PROMPT.encode()), 0, 400)
+    budget = 6.5 * worst  # six long requests hold all of it
+    config = tmp_path / "gw.yaml"
+    config.write_text(f"api_keys: {{sk-a: {{tenant: a}}}}\nbudgets: {{a: {{amount_usd: "
+                      f"{budget!r}, period: day}}}}\n")
+    port = free_port()
+    log = open(tmp_path / "gateway.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port), "--config",
+         str(config), "--database", pg_database, "--no-batches",
+         *sum((["--backend", r.url] for r in replicas), [])],
+        env={**os.environ, "TIERSERVE_HOLD_LEASE_S": "3"}, stdout=log, stderr=log,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+            assert time.time() < deadline, "gateway not ready"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        pool = concurrent.futures.ThreadPoolExecutor(6)
+        long = [pool.submit(post, url, 400, 60) for _ in range(6)]
+        deadline = time.time() + 30
+        while rows(pg_database, "SELECT count(*) FROM holds")[0][0] < 6:
+            assert time.time() < deadline, "the holds never appeared"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for f in long:  # each client learns at once that its gateway is gone
+            with pytest.raises(httpx.HTTPError):
+                f.result(timeout=30)
+        pool.shutdown()
+        [other] = gateways(replicas, pg_database, 1, budgets={"a": Budget(budget, "day")})
+        try:
+            live = "SELECT count(*) FROM holds WHERE lease_until > " \
+                   "extract(epoch from clock_timestamp())"
+            while rows(pg_database, live)[0][0]:
+                assert time.monotonic() - killed < 3.0 + 1.0, "holds outlived their lease"
+                time.sleep(0.1)
+            assert post(other.url).status_code == 200  # the budget is free again
+            deadline = time.time() + 10  # the survivor's renewal deletes the dead rows
+            while rows(pg_database, "SELECT count(*) FROM holds")[0][0]:
+                assert time.time() < deadline, "expired holds were not deleted"
+                time.sleep(0.2)
+        finally:
+            other.stop()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
