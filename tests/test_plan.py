@@ -197,3 +197,48 @@ def test_model_shapes_from_a_preset_a_model_file_or_flags():
     for bad in ("layers=2,hidden=x", "layers=2", "no-such-model"):
         with pytest.raises(ConfigError):
             resolve(bad)
+
+
+def test_a_hardware_file_is_checked_field_by_field_and_then_planned_on(tmp_path):
+    """`--hardware-file`: a profile a user wrote; a missing, negative, unknown or
+    out-of-range field is refused with its name; a good one is planned on and priced."""
+    import json
+    import subprocess
+    import sys
+
+    from tierserve.errors import ConfigError
+    from tierserve.hardware.roofline import load_hardware
+
+    good = {"name": "my-gpu", "bf16_tflops": 362, "mem_bw_tbs": 0.864, "mem_gb": 48,
+            "eff_flops": 0.7, "price_per_hour": 1.1}
+    for change, match in (({"mem_gb": None}, "field 'mem_gb' must be a number"),
+                          ({"bf16_tflops": -1}, "field 'bf16_tflops' must be > 0"),
+                          ({"eff_bw": 1.5}, "field 'eff_bw' is a fraction"),
+                          ({"step_overhead_s": -0.1}, "field 'step_overhead_s' must be >= 0"),
+                          ({"flops": 1}, "unknown field 'flops'")):
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps({**good, **change}))
+        with pytest.raises(ConfigError, match=match):
+            load_hardware(str(path))
+    missing = {k: v for k, v in good.items() if k != "mem_bw_tbs"}
+    (tmp_path / "missing.json").write_text(json.dumps(missing))
+    with pytest.raises(ConfigError, match="missing field 'mem_bw_tbs'"):
+        load_hardware(str(tmp_path / "missing.json"))
+    (tmp_path / "my-gpu.json").write_text(json.dumps(good))
+    assert load_hardware(str(tmp_path / "my-gpu.json")).price_per_hour == 1.1
+    out = subprocess.run(
+        [sys.executable, "-m", "tierserve.cli", "plan", "--hardware-file",
+         str(tmp_path / "my-gpu.json"), "--slo", "default=2,0.1", "--workload",
+         "poisson:rate=2,n=60,seed=1", "--no-fast-mode-curve", "--max-num-seqs", "64",
+         "--max-num-batched-tokens", "2048", "--format", "json"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    fits = json.loads(out.stdout)
+    first = (fits.get("fits") or fits.get("configurations") or [fits])[0] \
+        if isinstance(fits, dict) else fits[0]
+    assert "my-gpu" in json.dumps(first) and "1.1" in json.dumps(first)
+    bad = subprocess.run([sys.executable, "-m", "tierserve.cli", "plan", "--hardware-file",
+                          str(tmp_path / "missing.json"), "--slo", "default=2,0.1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "missing field 'mem_bw_tbs'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

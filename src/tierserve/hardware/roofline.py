@@ -24,6 +24,8 @@ NOTE: the roofline
 """
 
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -59,23 +61,71 @@ class Hardware:
     fitted_from: str = ""
     """Where the efficiencies come from (operator profiles, another GPU's fit), if fitted."""
     note: str = ""
+    price_per_hour: float | None = None
+    """USD per hour of one device (a user's file; the shipped profiles are priced in
+    metering/prices.py)."""
 
     def gemm_curve(self) -> GemmCurve:
         return GemmCurve(self.bf16_tflops * 1e12, self.mem_bw_tbs * 1e12, self.eff_flops,
                          self.eff_bw, self.knee, self.kernel_launch_s)
 
 
+REQUIRED = ("name", "bf16_tflops", "mem_bw_tbs", "mem_gb")
+FRACTIONS = ("eff_flops", "eff_bw")
+"""In (0, 1]."""
+
+
 def load_hardware(name: str) -> Hardware:
-    path = PROFILE_DIR / f"{name}.json"
-    if not path.exists():
-        known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
-        raise ConfigError(f"unknown hardware {name!r}; profiles: {', '.join(known)} (add a "
-                          f"JSON file to {PROFILE_DIR})")
-    data = json.loads(path.read_text())
-    unknown = set(data) - {f.name for f in fields(Hardware)}
+    """A shipped profile by name, or a profile file a user wrote (a path ending in .json,
+    `--hardware-file`); its fields are the `Hardware` dataclass's, checked here."""
+    if name.endswith(".json") or os.sep in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ConfigError(f"hardware file {name}: no such file")
+    else:
+        path = PROFILE_DIR / f"{name}.json"
+        if not path.exists():
+            known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+            raise ConfigError(f"unknown hardware {name!r}; profiles: {', '.join(known)} (or "
+                              "--hardware-file FILE.json: docs/hardware.md)")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+    return Hardware(**validate_profile(data, str(path)))
+
+
+def validate_profile(data, where: str) -> dict:
+    """The profile's fields, or a ConfigError naming the first bad one."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a JSON object of hardware fields")
+    known = {f.name for f in fields(Hardware)}
+    unknown = set(data) - known
     if unknown:
-        raise ConfigError(f"{path}: unknown field(s) {', '.join(sorted(unknown))}")
-    return Hardware(**data)
+        raise ConfigError(f"{where}: unknown field {sorted(unknown)[0]!r} (fields: "
+                          f"{', '.join(sorted(known))})")
+    for key in REQUIRED:
+        if key not in data:
+            raise ConfigError(f"{where}: missing field {key!r} (required: "
+                              f"{', '.join(REQUIRED)})")
+    if not isinstance(data["name"], str) or not data["name"]:
+        raise ConfigError(f"{where}: field 'name' must be a non-empty string")
+    for key, value in data.items():
+        if key in ("name", "fitted_from", "note"):
+            continue
+        if value is None and key == "price_per_hour":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            raise ConfigError(f"{where}: field {key!r} must be a number, got {value!r}")
+        positive = key in REQUIRED or key in FRACTIONS or key == "knee"
+        if (positive and value <= 0) or value < 0:
+            raise ConfigError(f"{where}: field {key!r} must be "
+                              f"{'> 0' if positive else '>= 0'}, got {value!r}")
+        if key in FRACTIONS and value > 1:
+            raise ConfigError(f"{where}: field {key!r} is a fraction of the datasheet "
+                              f"figure, in (0, 1], got {value!r}")
+    return data
 
 
 def roofline(shape, hw: Hardware, dtype_bytes: int = 2, tp: int = 1) -> StepTimeModel:

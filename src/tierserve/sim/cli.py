@@ -84,6 +84,8 @@ def cmd_sim(args) -> int:
 
         return replay(args)
     slo = parse_slo(args.slo)
+    if args.hardware_file:
+        args.hardware = args.hardware_file
     machine = machine_for(resolve(args.model), args.hardware, args.tp, args.dtype_bytes,
                           args.block_size, args.num_kv_blocks, args.machine_price_per_hour,
                           args.step_time_profile, args.kv_cache_memory_gb)
@@ -150,6 +152,9 @@ def cmd_plan(args) -> int:
     from tierserve.sim.workload import make_workload
 
     slo = parse_slo(args.slo)
+    given = parse_list(args.hardware, str, "--hardware") if args.hardware else \
+        ([] if args.hardware_file else ["h100-sxm", "a100-80gb"])
+    args.hardware = ",".join(given + list(args.hardware_file))
     if args.hybrid:
         return _plan_hybrid(args, slo)
     planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
@@ -265,6 +270,9 @@ def add_parsers(sub) -> None:
     sim.add_argument("--hardware", default="h100-sxm",
                      help="roofline profile: a100-80gb, h100-sxm, h200, l40s, l4 "
                           "(default h100-sxm)")
+    sim.add_argument("--hardware-file", default=None, metavar="FILE.json",
+                     help="a hardware profile you wrote (docs/hardware.md), instead of "
+                          "--hardware")
     sim.add_argument("--step-time-profile", default=None,
                      help="a `tierserve calibrate` JSON instead of the roofline (cpu-local)")
     _add_model_args(sim)
@@ -321,8 +329,12 @@ def add_parsers(sub) -> None:
                       help="an SLO every configuration must meet (repeatable; at least one)")
     plan.add_argument("--attainment", type=float, default=0.9,
                       help="share of each SLO tier's requests within both targets (0.9)")
-    plan.add_argument("--hardware", default="h100-sxm,a100-80gb",
-                      help="candidate hardware profiles (default h100-sxm,a100-80gb)")
+    plan.add_argument("--hardware", default=None,
+                      help="candidate hardware profiles (default h100-sxm,a100-80gb; none "
+                           "with --hardware-file unless given)")
+    plan.add_argument("--hardware-file", action="append", default=[], metavar="FILE.json",
+                      help="a hardware profile you wrote (docs/hardware.md), one more "
+                           "candidate (repeatable)")
     _add_model_args(plan)
     plan.add_argument("--max-replicas", type=int, default=4)
     plan.add_argument("--max-num-seqs", default=None,

@@ -59,6 +59,8 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
     else:
         hw = load_hardware(hardware)
         model, name, mem_gb = roofline(shape, hw, dtype_bytes, tp), hw.name, hw.mem_gb * tp
+        if price_per_hour is None and hw.price_per_hour is not None:  # a user's file
+            price_per_hour = hw.price_per_hour
     kv_block = shape.kv_bytes_per_token(dtype_bytes) * block_size
     if num_kv_blocks:
         num_blocks = num_kv_blocks

@@ -68,7 +68,9 @@ class Comparison:
                  f"ones on {large_name} (default): {self.large.replicas} x "
                  f"{self.large.cell.describe()} = ${self.large.cost_per_hour:.2f}/h; total "
                  f"${h:.2f}/h (${self.per_1k(h):.4f} per 1K conversations)",
-                 f"hybrid is {1 - h / a:.0%} cheaper"]
+                 f"hybrid is {1 - h / a:.0%} cheaper" if h <= a else
+                 f"hybrid costs {h / a - 1:.0%} more (the all-large fleet is no larger than "
+                 "the hybrid's large pool)"]
         return "\n".join(lines)
 
 
