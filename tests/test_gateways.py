@@ -171,3 +171,51 @@ def test_a_killed_gateway_s_holds_stop_counting_within_their_lease(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_two_gateways_keep_one_lower_tier_limit_per_replica(replicas, pg_database):  # noqa: F811
+    """One replica of 6 slots, 2 kept for priority (a lower-tier limit of 4): gateway A
+    floods it with default work, then gateway B does too. B sees A's 4 on the replica
+    and releases none of its own until they drain, so the two together never pass the
+    limit (each alone would allow 4: 8 in all); a priority request through B still goes
+    at once."""
+    from tierserve.router.flow import FlowConfig
+    spec = [replicas[0].spec(max_num_seqs=6)]
+    settings = [ServerSettings(database=pg_database) for _ in range(2)]
+    a, b = (Gateway(spec, s, flow=FlowConfig(reserved_priority_seqs=2)) for s in settings)
+    ra, rb = a.backend.gateway.replicas[0], b.backend.gateway.replicas[0]
+    samples, stop = [], False
+
+    def watch():
+        while not stop:
+            samples.append((ra.lower_in_flight, rb.lower_in_flight))
+            time.sleep(0.01)
+
+    def flood(gw, n):
+        return [pool.submit(lambda: httpx.post(gw.url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 48, "ignore_eos": True}))
+            for _ in range(n)]
+
+    pool = concurrent.futures.ThreadPoolExecutor(24)
+    watcher = pool.submit(watch)
+    try:
+        first = flood(a, 8)
+        deadline = time.time() + 30
+        while ra.lower_in_flight < 4:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)  # A's count reaches B (every 0.1 s)
+        second = flood(b, 8)
+        fast = httpx.post(b.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 2, "service_tier": "priority"})
+        assert fast.status_code == 200
+        assert all(f.result().status_code == 200 for f in first + second)
+    finally:
+        stop = True
+        watcher.result()
+        pool.shutdown()
+        a.stop()
+        b.stop()
+    # each release takes a slot of the shared limit first: never more than 4 together
+    assert max(x + y for x, y in samples) <= 4, max(samples, key=sum)
+    assert max(y for _, y in samples) >= 1  # B did run its share, once A's drained

@@ -37,7 +37,8 @@ def test_plan_hybrid_prints_both_fleets(capsys):
                  "--slo", "default=10,0.5", "--hybrid-requests", "200", "--hybrid-rate",
                  "10", "--max-replicas", "3", "--max-num-seqs", "64"]) == 0
     out = capsys.readouterr().out
-    assert "all llama-3-8b in the priority tier" in out and "hybrid is" in out
+    assert "all llama-3-8b in the priority tier" in out
+    assert "hybrid is" in out or "hybrid costs" in out  # cheaper, or more and why
 
 
 def test_plan_hybrid_needs_both_slos(capsys):

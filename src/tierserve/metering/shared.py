@@ -16,6 +16,16 @@ NOTE: holds
     gateway killed mid-flight stops renewing: its holds stop counting LEASE_S later at
     most, and their rows are deleted by the next renewal of any gateway.
 
+NOTE: one order between tiers
+    A gateway holds lower tiers back from a replica that runs its own batch (vLLM) while
+    that replica's lower-tier requests are at its limit (router/flow.py). Alone, it counts
+    only its own; beside others, each publishes its count per replica (by URL) every
+    LOAD_INTERVAL_S (and adds the others' to its own when it scores replicas), and takes
+    a slot of the limit before each lower-tier release in one transaction (an advisory
+    lock per replica: its count plus the others' under the limit, its row raised), so the
+    limit, and the slots it keeps free for priority, hold for all gateways together. A
+    row is raised at once and lowered at the next publish: never below the truth.
+
 NOTE: buckets
     A token bucket per (tenant, requests|tokens), refilled continuously at the limit per
     minute, its level and time kept in a row. A request's take is one transaction over
@@ -34,6 +44,10 @@ from tierserve.db import Database
 LEASE_S = float(os.environ.get("TIERSERVE_HOLD_LEASE_S", "30"))
 """A hold counts this long after its gateway last renewed it ($TIERSERVE_HOLD_LEASE_S;
 every gateway of a database should use the same)."""
+LOAD_TTL_S = 2.0
+"""Another gateway's published replica load counts this long (it publishes every
+LOAD_INTERVAL_S)."""
+LOAD_INTERVAL_S = 0.1
 _NOW = "extract(epoch from clock_timestamp())"
 """The database's clock (every gateway reads the same one)."""
 
@@ -57,6 +71,14 @@ def migrate_shared(db: Database) -> None:
             level REAL NOT NULL,
             at REAL NOT NULL,              -- unix seconds of `level`
             PRIMARY KEY (tenant, kind)
+        )""")
+    db.ddl("""
+        CREATE TABLE replica_loads (
+            gateway TEXT NOT NULL,
+            replica TEXT NOT NULL,         -- its URL: the same replica for every gateway
+            lower INTEGER NOT NULL,        -- lower-tier requests this gateway has on it
+            at REAL NOT NULL,              -- unix seconds (the database's clock)
+            PRIMARY KEY (gateway, replica)
         )""")
 
 
@@ -130,6 +152,40 @@ class SharedState:
                 self.renew()
             except Exception:  # a database blip: the next round tries again
                 pass
+
+    # --------------------------------------------------------- replica load
+    def exchange_loads(self, mine: dict[str, int]) -> dict[str, int]:
+        """Publish this gateway's lower-tier requests per replica URL; return the other
+        gateways' (their rows of the last LOAD_TTL_S: a dead gateway's drop out)."""
+        with self._lock, self._db as db:
+            db.executemany(
+                f"INSERT INTO replica_loads (gateway, replica, lower, at) VALUES "
+                f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
+                f"lower = excluded.lower, at = excluded.at",
+                [(self.gateway, url, n) for url, n in mine.items()])
+            rows = db.execute(
+                f"SELECT replica, sum(lower) FROM replica_loads WHERE gateway != ? AND "
+                f"at > {_NOW} - {LOAD_TTL_S} GROUP BY replica", (self.gateway,)).fetchall()
+        return {url: int(n) for url, n in rows}
+
+    def acquire_lower(self, replica: str, mine: int, limit: int) -> bool:
+        """Whether this gateway may send one more lower-tier request to `replica` (URL):
+        its `mine` plus every other gateway's live count stays under `limit`. Granted, its
+        row becomes mine + 1 in the same transaction (others see it at once); decreases
+        are published by `exchange_loads`, so a row is never below the truth."""
+        with self._lock, self._db as db:
+            db.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"replica:{replica}",))
+            others = int(db.execute(
+                f"SELECT coalesce(sum(lower), 0) FROM replica_loads WHERE replica = ? AND "
+                f"gateway != ? AND at > {_NOW} - {LOAD_TTL_S}",
+                (replica, self.gateway)).fetchone()[0])
+            if mine + others + 1 > limit:
+                return False
+            db.execute(f"INSERT INTO replica_loads (gateway, replica, lower, at) VALUES "
+                       f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
+                       f"lower = excluded.lower, at = excluded.at",
+                       (self.gateway, replica, mine + 1))
+            return True
 
     # -------------------------------------------------------------- buckets
     def take(self, tenant: str, wants: list[tuple[str, float, float]]) -> dict[str, tuple]:

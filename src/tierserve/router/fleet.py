@@ -1,7 +1,7 @@
 """Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
 checks, retries and metering.
 
-About 580 lines, kept whole: the Backend methods, the dispatcher and the health loop share
+About 620 lines, kept whole: the Backend methods, the dispatcher and the health loop share
 one request table; a request's dispatch, retry, metering and single finish share its
 `_Request` record, and "finishes exactly once" is readable only in one place.
 
@@ -129,6 +129,8 @@ class FleetBackend:
         self._client: httpx.AsyncClient | None = None
         """Health checks and /metrics; requests go through `_session` (remote.session)."""
         self._session = None
+        self._shared = None
+        """Other gateways of this database (metering/shared.py): their load per replica."""
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -219,6 +221,12 @@ class FleetBackend:
             meters[name] = ReplicaMeter(price, self.work_model)
         self.accounting.metering = FleetMetering(recorder, meters)
         self.accounting.sinks = [sink]
+        self._shared = getattr(recorder, "shared", None)
+        if self._shared is not None:  # one lower-tier limit per replica for all gateways
+            self.gateway.acquire = self._acquire_lower
+            if self._tasks:  # started already (the probe)
+                self._tasks.append(
+                    asyncio.get_running_loop().create_task(self._exchange_loads()))
 
     @property
     def meters(self) -> dict[str, ReplicaMeter]:
@@ -270,6 +278,8 @@ class FleetBackend:
             self._tasks = [asyncio.create_task(self._dispatch()),
                            *(asyncio.create_task(self._watch(r))
                              for r in self.gateway.replicas)]
+            if self._shared is not None:
+                self._tasks.append(asyncio.create_task(self._exchange_loads()))
 
     async def _dispatch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -449,6 +459,37 @@ class FleetBackend:
         self.accounting.finish(req.pending.request_id, self.clock.now(), reason)
         self._requests.pop(req.pending.request_id, None)
         req.queue.put_nowait(error if error is not None else self._output(req, "", reason))
+
+    def _acquire_lower(self, replica: ReplicaState) -> bool:
+        """A slot of the replica's lower-tier limit, shared with the other gateways (one
+        round trip, on the event loop: the release that asks waits for it anyway)."""
+        try:
+            return self._shared.acquire_lower(self.specs[replica.name].url,
+                                              replica.lower_in_flight, int(replica.limit))
+        except Exception as exc:  # the database away: this gateway's own count decides
+            log.warning("shared replica limit not checked (%s)", exc)
+            return True
+
+    async def _exchange_loads(self) -> None:
+        """Publish this gateway's lower-tier load per replica and read the others'
+        (metering/shared.py's note on one order between tiers), off the event loop."""
+        from tierserve.metering.shared import LOAD_INTERVAL_S
+
+        while True:
+            mine = {self.specs[r.name].url: r.lower_in_flight for r in self.gateway.replicas}
+            try:
+                others = await asyncio.to_thread(self._shared.exchange_loads, mine)
+            except Exception as exc:  # the database away: count our own only meanwhile
+                log.warning("replica loads not exchanged (%s)", exc)
+                others = {}
+            changed = False
+            for r in self.gateway.replicas:
+                n = others.get(self.specs[r.name].url, 0)
+                changed |= n < r.elsewhere
+                r.elsewhere = n
+            if changed:
+                self._wake.set()  # room freed elsewhere: release what waits
+            await asyncio.sleep(LOAD_INTERVAL_S)
 
     # --------------------------------------------------------------- health
     async def _watch(self, replica: ReplicaState) -> None:

@@ -127,6 +127,9 @@ class ReplicaState:
     """Scraped: requests queued inside the replica."""
     in_flight: Counter = field(default_factory=Counter)
     """Requests the gateway has on it, by tier."""
+    elsewhere: int = 0
+    """Lower-tier requests other gateways of the same database have on it (published
+    through metering/shared.py; 0 for a gateway alone)."""
     prefilling_tokens: int = 0
     decoding: int = 0
     limit: float = 0.0
@@ -174,6 +177,11 @@ class Gateway:
         self.queues: dict[Tier, deque[Pending]] = {t: deque() for t in Tier}
         """Per tier, in fair order (start tag, then arrival): as the engine's scheduler."""
         self.fair = FairShare()
+        self.acquire = None
+        """`acquire(replica) -> bool`, where other gateways share the replicas: a slot of
+        the lower-tier limit taken for all of them at once (metering/shared.py), asked
+        before a lower-tier request is released to a replica that does not protect its
+        own fast lane; None: this gateway's own count decides alone."""
         self._turn = itertools.count()
         self._next = 0  # round-robin routing: the replica to try first
 
@@ -213,6 +221,9 @@ class Gateway:
             while queue:
                 request = queue[0]
                 replica = self.pick(request, lower=tier != Tier.PRIORITY)
+                if replica is not None and tier != Tier.PRIORITY and not replica.protects \
+                        and self.acquire is not None and not self.acquire(replica):
+                    replica = None  # the shared limit is full: as if this one were
                 if replica is None:
                     break  # FIFO within a tier: the head waits, so does the rest
                 queue.popleft()
@@ -273,7 +284,7 @@ class Gateway:
     @staticmethod
     def _may_take(r: ReplicaState, request: Pending, lower: bool) -> bool:
         return r.takes(request.tier) and r.name not in request.excluded and \
-            not (lower and not r.protects and r.lower_in_flight >= r.limit)
+            not (lower and not r.protects and r.lower_in_flight + r.elsewhere >= r.limit)
 
     def score(self, r: ReplicaState, request: Pending) -> float:
         cached = self.cached_tokens(r, request)

@@ -1,5 +1,9 @@
 """Running chat and completion requests: admission, the engine requests behind one HTTP
 request, whole or streamed answers; and the same path for one line of a batch job.
+
+About 400 lines, kept whole: admission, the run of a request's choices and its answer
+(whole or streamed) share the `ChoiceRun` record, and what an admitted request gives
+back on every path (slots, holds, bucket tokens) reads in one place.
 """
 
 import asyncio
@@ -105,10 +109,11 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, choice: Ch
     tokens = sum(a + b for _, (a, b) in worst) if queue_limit else 0
     # Batch lines (queue_limit off) skip the per-minute limits: a 429 would fail the line
     # for good, and the batch runner already bounds how many run at once.
-    headers = state.limiter.take(tenant.name, 1 if queue_limit else 0, tokens)
+    headers = await _shared(state, state.limiter.take, tenant.name, 1 if queue_limit else 0,
+                            tokens)
     prices = state.recorder.prices
     try:
-        state.recorder.reserve(tenant.name, [
+        await _shared(state, state.recorder.reserve, tenant.name, [
             (i, prices.charge(served, a, 0, b)) for i, (_, (a, b)) in zip(ids, worst)])
         try:
             admission.admit(served, len(worst), enforce=queue_limit)
@@ -143,6 +148,14 @@ async def start(state, body, prompts: list, tenant: Tenant, rid: str, choice: Ch
         run.close()
         raise
     return run, served
+
+
+async def _shared(state, fn, *args):
+    """`fn(*args)`; on a thread where it is a round trip to the database other gateways
+    share (metering/shared.py), so the event loop serves other requests meanwhile."""
+    if state.recorder.shared is None:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
 
 
 async def collect(state, run: "ChoiceRun", kind: str, tier: Tier, body,
