@@ -219,3 +219,79 @@ def test_two_gateways_keep_one_lower_tier_limit_per_replica(replicas, pg_databas
     # each release takes a slot of the shared limit first: never more than 4 together
     assert max(x + y for x, y in samples) <= 4, max(samples, key=sum)
     assert max(y for _, y in samples) >= 1  # B did run its share, once A's drained
+
+
+def test_a_batch_outlives_the_gateway_running_it_each_line_once(replicas, pg_database,  # noqa: F811
+                                                                  tmp_path, monkeypatch):
+    """Gateway A (its own process, leases of 3 s) runs a 10-line batch two lines at a time
+    and is killed with SIGKILL mid-batch; gateway B (same database and data directory)
+    claims A's lines once their leases run out and finishes the batch: every line done
+    once, one output line and one ledger row each."""
+    import json
+
+    from tierserve.batch import runner
+    monkeypatch.setattr(runner, "LEASE_S", 3.0)
+    data = tmp_path / "data"
+    port = free_port()
+    log = open(tmp_path / "a.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port), "--database",
+         pg_database, "--data-dir", str(data), "--batch-max-in-flight", "2",
+         *sum((["--backend", r.url] for r in replicas), [])],
+        env={**os.environ, "TIERSERVE_LEASE_S": "3"}, stdout=log, stderr=log,
+        start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    b = None
+    try:
+        deadline = time.time() + 60
+        while True:
+            assert proc.poll() is None, (tmp_path / "a.log").read_text()
+            assert time.time() < deadline, "gateway A not ready"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                             "body": {"model": MODEL, "prompt": f"Item {i}:", "max_tokens": 40,
+                                      "ignore_eos": True}}) for i in range(10)]
+        f = httpx.post(url + "/v1/files", files={"file": ("in.jsonl", "\n".join(lines))},
+                       data={"purpose": "batch"}, timeout=30).json()
+        batch = httpx.post(url + "/v1/batches", timeout=30, json={
+            "input_file_id": f["id"], "endpoint": "/v1/completions",
+            "completion_window": "24h"}).json()
+        deadline = time.time() + 120
+        while httpx.get(f"{url}/v1/batches/{batch['id']}", timeout=10).json()[
+                "request_counts"]["completed"] < 2:
+            assert time.time() < deadline, "A ran no line"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # mid-batch: two lines claimed and running
+        held = rows(pg_database, "SELECT count(*) FROM lines WHERE state = 'pending' AND "
+                                 "claimed_by IS NOT NULL")[0][0]
+        assert held >= 1
+        b = Gateway([r.spec() for r in replicas],
+                    ServerSettings(database=pg_database, data_dir=str(data)))
+        deadline = time.time() + 180
+        while True:
+            got = httpx.get(f"{b.url}/v1/batches/{batch['id']}", timeout=10).json()
+            if got["status"] in ("completed", "failed", "expired", "cancelled"):
+                break
+            assert time.time() < deadline, got
+            time.sleep(0.3)
+        assert got["status"] == "completed", got
+        assert got["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
+        out = [json.loads(x) for x in httpx.get(
+            f"{b.url}/v1/files/{got['output_file_id']}/content", timeout=10).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == sorted(f"c{i}" for i in range(10))
+        mine = b.app.state.tierserve.batches.runner.name
+        assert rows(pg_database, f"SELECT count(*) FROM lines WHERE claimed_by = '{mine}'"
+                    )[0][0] >= held  # B ran what A held when it died
+        billed = rows(pg_database, "SELECT request_id, count(*) FROM requests WHERE "
+                                   "request_id LIKE 'batch_req_%' GROUP BY request_id")
+        assert len(billed) == 10 and all(n == 1 for _, n in billed)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if b is not None:
+            b.stop()

@@ -23,14 +23,29 @@ NOTE: restarts
     crash runs again after the restart and is charged once, for the answer kept.
     On start, a batch found `finalizing` is finalized again, one `cancelling` is cancelled,
     and the pending lines of the others are fed from the first.
+
+NOTE: several gateways
+    Gateways sharing one database share the batches: each runner claims the lines it
+    feeds (`BatchStore.claim`, a lease of LEASE_S renewed every LEASE_S / 3), so a line
+    runs on one gateway at a time; a gateway killed mid-batch stops renewing, and once
+    its leases run out another runner claims those lines and runs them. The line's
+    request id is the same on every run, so its ledger row is one row. A batch is
+    finalized once none of its lines is pending (completed) or held by a live lease
+    (cancelled, expired); a batch found `finalizing` is finalized again only when that
+    began LEASE_S ago (its finalizer died). The output files are written under the
+    finalizing gateway's data directory: gateways sharing a database share it too.
 """
 
 import asyncio
 import logging
+import os
 import time
-from collections import deque
+import uuid
 
 from tierserve.batch.store import BatchStore
+
+LEASE_S = float(os.environ.get("TIERSERVE_LEASE_S", "30"))
+"""A claimed line is its runner's this long after the last renewal ($TIERSERVE_LEASE_S)."""
 
 
 def line_request_id(batch_id: str, idx: int) -> str:
@@ -51,7 +66,9 @@ class BatchRunner:
         self.hold = hold
         self.max_in_flight = max(1, max_in_flight)
         self.clock = clock
-        self._queues: dict[str, deque[int]] = {}
+        self.name = f"runner-{uuid.uuid4().hex[:12]}"
+        """Whose claims are whose (one per process and start)."""
+        self._renewed = 0.0
         self._in_flight: dict[tuple[str, int], asyncio.Task] = {}
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()
@@ -61,6 +78,8 @@ class BatchRunner:
         self._wake.set()
 
     async def run(self) -> None:
+        if self.store.db.dialect == "sqlite":  # one runner: the last run's claims are void
+            self.store.release_all()
         try:
             while True:
                 self._step()
@@ -78,9 +97,17 @@ class BatchRunner:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            try:  # a clean stop: its lines are another runner's at once, not in a lease
+                self.store.release_all(self.name)
+            except Exception as exc:
+                log.warning("batch claims of %s not released (%s); they lapse in %g s",
+                            self.name, exc, LEASE_S)
 
     def _step(self) -> None:
         now = self.clock()
+        if self._in_flight and now - self._renewed >= LEASE_S / 3:
+            self.store.renew(self.name, LEASE_S, now)
+            self._renewed = now
         busy = False
         for batch in self.store.active():
             bid, status = batch["id"], batch["status"]
@@ -90,23 +117,24 @@ class BatchRunner:
                 busy = True
                 continue
             if status == "in_progress":
-                queue = self._queues.get(bid)
-                if queue is None:
-                    queue = self._queues[bid] = deque(self.store.pending(bid))
-                while queue and len(self._in_flight) < self.max_in_flight:
-                    idx = queue.popleft()
+                room = self.max_in_flight - len(self._in_flight)
+                for idx in self.store.claim(bid, self.name, room, LEASE_S, now) if room > 0 \
+                        else ():
                     self._in_flight[bid, idx] = asyncio.create_task(self._run_line(batch, idx))
-                if queue or self._has_in_flight(bid):
-                    busy = True
+                if self._has_in_flight(bid) or self.store.pending(bid):
+                    busy = True  # lines left here, or held by another gateway's runner
                     continue
                 self._finalize(batch, "completed")
-            elif not self._has_in_flight(bid):
+            elif self._has_in_flight(bid) or (
+                    status != "finalizing" and self.store.claimed(bid, now)):
+                busy = True  # running lines end first (here or on another gateway)
+            elif status == "finalizing" and self.store.db.dialect == "postgresql" and \
+                    now - (batch["finalizing_at"] or 0) < LEASE_S:
+                busy = True  # another gateway is writing its files
+            else:
                 final = {"cancelling": "cancelled", "expiring": "expired"}.get(status,
                                                                                "completed")
                 self._finalize(batch, final)
-            else:
-                self._queues[bid] = deque()  # stop feeding; let the running lines end
-                busy = True
         if busy:
             self.idle.clear()
         else:
@@ -143,7 +171,8 @@ class BatchRunner:
         bid = batch["id"]
         code = {"cancelled": "batch_cancelled", "expired": "batch_expired"}.get(status)
         if code is None:  # cancelled and expired batches go straight to their final state
-            self.store.set_status(bid, "finalizing", only_from=("in_progress", "finalizing"))
+            if not self.store.set_status(bid, "finalizing", only_from=(batch["status"],)):
+                return  # another gateway's runner got there first
         for idx in self.store.pending(bid):
             assert code is not None, f"batch {bid} line {idx} pending at completion"
             custom_id, _ = self.store.line(bid, idx)
@@ -156,7 +185,6 @@ class BatchRunner:
         self.store.finish(bid, status,
                           self.store.write_file(tenant, f"{bid}_output.jsonl", out),
                           self.store.write_file(tenant, f"{bid}_error.jsonl", err))
-        self._queues.pop(bid, None)
         log.info("batch %s %s: %d output lines, %d error lines", bid, status, len(out),
                  len(err))
 

@@ -16,6 +16,9 @@ NOTE: exactly once
 
     On PostgreSQL the guarded UPDATE holds too: a second writer of the same line waits for
     the first one's row lock, then finds the line no longer pending and records nothing.
+    Several gateways' runners share the lines by claiming them (`claim`): a line is one
+    runner's while its lease runs, and anyone's once it has run out (its runner died),
+    so a line runs on one gateway at a time and is recorded once whichever ran it.
 
 All methods run on the server's event-loop thread; each call is a short transaction. Rows
 are `tierserve.db.Row`: tuples that also read a column by name, on both databases.
@@ -82,6 +85,14 @@ def m001_files_batches_lines(db: Database) -> None:
         )""")
     db.ddl("CREATE INDEX batches_tenant ON batches (tenant, created_at)")
     db.ddl("CREATE INDEX files_tenant ON files (tenant, created_at)")
+
+
+@migration
+def m002_line_leases(db: Database) -> None:
+    # Lines are claimed by one runner at a time (gateways sharing one database), with a
+    # lease its runner renews; a line whose lease ran out is anyone's again.
+    db.ddl("ALTER TABLE lines ADD COLUMN claimed_by TEXT")
+    db.ddl("ALTER TABLE lines ADD COLUMN lease_until REAL")
 
 
 def new_id(prefix: str) -> str:
@@ -167,7 +178,8 @@ class BatchStore:
                  json.dumps(metadata) if metadata is not None else None,
                  0 if errors else len(requests)))
             self.db.executemany(
-                "INSERT INTO lines VALUES (?, ?, ?, ?, 'pending', NULL)",
+                "INSERT INTO lines (batch_id, idx, custom_id, body, state, result) VALUES "
+                "(?, ?, ?, ?, 'pending', NULL)",
                 ((batch_id, i, cid, json.dumps(body)) for i, (cid, body) in enumerate(requests)))
         return self.get_batch(tenant, batch_id)
 
@@ -211,6 +223,43 @@ class BatchStore:
         return [r[0] for r in self.db.execute(
             "SELECT idx FROM lines WHERE batch_id = ? AND state = 'pending' ORDER BY idx",
             (batch_id,))]
+
+    def claim(self, batch_id: str, runner: str, n: int, lease_s: float,
+              now: float) -> list[int]:
+        """Up to `n` pending lines of a batch that no runner holds (never claimed, or its
+        lease ran out), first in file order, now `runner`'s until now + lease_s. On
+        PostgreSQL, lines another runner is claiming at the same moment are skipped
+        (FOR UPDATE SKIP LOCKED), so two runners never get the same line."""
+        lock = " FOR UPDATE SKIP LOCKED" if self.db.dialect == "postgresql" else ""
+        with self.db:
+            idxs = [r[0] for r in self.db.execute(
+                "SELECT idx FROM lines WHERE batch_id = ? AND state = 'pending' AND "
+                f"(lease_until IS NULL OR lease_until < ?) ORDER BY idx LIMIT ?{lock}",
+                (batch_id, now, n))]
+            self.db.executemany(
+                "UPDATE lines SET claimed_by = ?, lease_until = ? WHERE batch_id = ? AND "
+                "idx = ?", [(runner, now + lease_s, batch_id, i) for i in idxs])
+        return idxs
+
+    def release_all(self, runner: str | None = None) -> None:
+        """Drop `runner`'s claims (it stops cleanly: its lines are anyone's at once), or
+        every claim (a SQLite store has one runner: at its start, the claims left by its
+        previous run are nobody's)."""
+        self.db.execute("UPDATE lines SET claimed_by = NULL, lease_until = NULL WHERE "
+                        "state = 'pending' AND claimed_by IS NOT NULL" +
+                        (" AND claimed_by = ?" if runner else ""),
+                        (runner,) if runner else ())
+
+    def renew(self, runner: str, lease_s: float, now: float) -> None:
+        """Extend the leases of `runner`'s pending lines."""
+        self.db.execute("UPDATE lines SET lease_until = ? WHERE claimed_by = ? AND "
+                        "state = 'pending'", (now + lease_s, runner))
+
+    def claimed(self, batch_id: str, now: float) -> int:
+        """Pending lines of a batch that some runner holds now (its lease running)."""
+        return int(self.db.execute(
+            "SELECT count(*) FROM lines WHERE batch_id = ? AND state = 'pending' AND "
+            "lease_until >= ?", (batch_id, now)).fetchone()[0])
 
     def line(self, batch_id: str, idx: int) -> tuple[str, dict]:
         row = self.db.execute("SELECT custom_id, body FROM lines WHERE batch_id = ? AND "
