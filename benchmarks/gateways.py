@@ -15,7 +15,16 @@ server (tests/pg.py starts it):
   race      4 gateways, 64 concurrent requests of one tenant whose budget covers about
             10: the overshoot past the budget, in units of one request's worst case.
 
-    python benchmarks/gateways.py [--part cost,ceiling,race] [--seconds 10] [--calls 500]
+  replicas  1, 2 and 4 gateways in front of two real tierserve replicas (SmolLM2-135M, one
+            torch thread each): 32 clients, 32 output tokens, requests per second.
+
+  order     tier order through two gateways over one 6-slot replica (limit 4 for lower
+            tiers): the share of 20 ms samples with more lower-tier requests running than
+            the limit, and priority TTFT, with the limit shared (one PostgreSQL) and not
+            (two SQLite ledgers).
+
+    python benchmarks/gateways.py [--part cost,ceiling,replicas,order,race] [--seconds 10]
+                                  [--calls 500]
 """
 
 import argparse
@@ -141,7 +150,7 @@ async def load(urls: list[str], clients: int, seconds: float, max_tokens: int = 
     """Closed loop (or `total` requests at once): (req/s, status counts)."""
     stop = time.perf_counter() + seconds
     counts: dict = {}
-    body = {"model": "stub", "prompt": "hi", "max_tokens": max_tokens}
+    body = {"model": "stub", "prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {KEY}"}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as s:
         async def send(url):
@@ -200,6 +209,137 @@ async def part_ceiling(server: str, tmp: Path, args, echo: str) -> None:
           flush=True)
 
 
+async def part_replicas(server: str, tmp: Path, args, echo: str) -> None:
+    """1, 2 and 4 gateways (one --database) in front of two real tierserve replicas of
+    SmolLM2-135M (one torch thread each): 32 clients, 32 output tokens, `--seconds`."""
+    from tierserve.server.serve import DEFAULT_CPU_PROFILE
+    ports = [free_port() for _ in range(2)]
+    reps = [Proc([sys.executable, "-m", "tierserve.cli", "serve", "--port", str(p),
+                  "--no-ledger", "--no-batches", "--served-model-name", "stub",
+                  "--step-time-profile", DEFAULT_CPU_PROFILE, "--max-num-seqs", "16"],
+                 tmp / f"replica{i}.log", env={"OMP_NUM_THREADS": "1"})
+            for i, p in enumerate(ports)]
+    upstreams = [f"http://127.0.0.1:{p}" for p in ports]
+    config = tmp / "replicas.yaml"
+    config.write_text(CONFIG.format(budget=1e9, rpm=10**9))
+    results = {}
+    try:
+        for u in upstreams:
+            await wait_http(u + "/health", 300)
+        for n in (1, 2, 4):
+            database = create_database(server)
+            gws = [gateway(tmp, f"rgw{n}-{i}", upstreams, database, config) for i in range(n)]
+            try:
+                for _, url in gws:
+                    await wait_http(url + "/health")
+                urls = [url for _, url in gws]
+                await load(urls, 8, 3, max_tokens=32)  # warm
+                results[n] = await load(urls, 32, args.seconds, max_tokens=32)
+            finally:
+                for p, _ in gws:
+                    p.stop()
+    finally:
+        for p in reps:
+            p.stop()
+    print(f"gateways part=replicas upstream=2x tierserve SmolLM2-135M (1 thread each) {echo} "
+          f"clients=32 max_tokens=32 seconds={args.seconds} " + " ".join(
+              f"gateways{n}_req_s={rps:.1f}" for n, (rps, _) in results.items())
+          + " statuses=" + ";".join(f"{n}:{c}" for n, (_, c) in results.items()),
+          flush=True)
+
+
+async def part_order(server: str, tmp: Path, args, echo: str) -> None:
+    """Tier order through two gateways: one real tierserve replica of 6 slots (the
+    gateways keep 2 for priority: a lower-tier limit of 4), 16 default clients spread over
+    both gateways, a priority probe every 0.5 s through each in turn. Sampled every 20 ms
+    from the replica's /metrics: the share of samples with more lower-tier requests
+    running than the limit (an inversion: a priority slot taken). Side by side: the two
+    gateways on one PostgreSQL database (one shared limit) and on their own SQLite ledgers
+    (each keeps its own)."""
+    from tierserve.server.serve import DEFAULT_CPU_PROFILE
+    rport = free_port()
+    rep = Proc([sys.executable, "-m", "tierserve.cli", "serve", "--port", str(rport),
+                "--no-ledger", "--no-batches", "--served-model-name", "stub",
+                "--step-time-profile", DEFAULT_CPU_PROFILE, "--max-num-seqs", "6"],
+               tmp / "order-replica.log", env={"OMP_NUM_THREADS": "1"})
+    rurl = f"http://127.0.0.1:{rport}"
+    config = tmp / "order.yaml"
+    config.write_text(CONFIG.format(budget=1e9, rpm=10**9)
+                      + "fleet: {reserved_priority_seqs: 2}\n"
+                      + f"backends: [{{url: '{rurl}', kind: vllm, max_num_seqs: 6}}]\n")
+    out = {}
+    try:
+        await wait_http(rurl + "/health", 300)
+        for mode in ("shared", "separate"):
+            database = create_database(server) if mode == "shared" else None
+            gws = [gateway(tmp, f"order-{mode}{i}", [], database, config) for i in range(2)]
+            try:
+                for _, url in gws:
+                    await wait_http(url + "/health")
+                out[mode] = await _order_run([u for _, u in gws], rurl, args.seconds)
+            finally:
+                for p, _ in gws:
+                    p.stop()
+    finally:
+        rep.stop()
+    print(f"gateways part=order upstream=1x tierserve SmolLM2-135M (6 slots, 1 thread) {echo} "
+          f"default_clients=16 seconds={args.seconds} " + " ".join(
+              f"{m}: over_limit_share={r['over']:.3f} max_lower={r['max']} "
+              f"priority_ttft_p50/p99_ms={r['p50']:.0f}/{r['p99']:.0f} "
+              f"default_req_s={r['rps']:.1f}" for m, r in out.items()), flush=True)
+
+
+async def _order_run(urls: list[str], replica: str, seconds: float) -> dict:
+    stop = time.perf_counter() + seconds
+    headers = {"Authorization": f"Bearer {KEY}"}
+    samples, ttfts, done, probing = [], [], [0], [False]
+    async with aiohttp.ClientSession() as s:
+        async def client(i):
+            body = {"model": "stub", "prompt": f"Flood {i}", "max_tokens": 48,
+                    "ignore_eos": True}
+            while time.perf_counter() < stop:
+                async with s.post(urls[i % 2] + "/v1/completions", json=body,
+                                  headers=headers) as r:
+                    await r.read()
+                    done[0] += r.status == 200
+
+        async def prober():
+            i = 0
+            while time.perf_counter() < stop:
+                await asyncio.sleep(0.5)
+                body = {"model": "stub", "prompt": f"Quick {i}", "max_tokens": 4,
+                        "stream": True, "service_tier": "priority"}
+                t0 = time.perf_counter()
+                probing[0] = True
+                async with s.post(urls[i % 2] + "/v1/completions", json=body,
+                                  headers=headers) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: {") and b'"text":""' not in line:
+                            ttfts.append(time.perf_counter() - t0)
+                            break
+                    await r.read()
+                probing[0] = False
+                i += 1
+
+        async def sampler():
+            while time.perf_counter() < stop:
+                async with s.get(replica + "/metrics") as r:
+                    text = await r.text()
+                # the replica is told no tiers (kind vllm: only an order): every request
+                # runs as default there; a probe in flight is the one that is not
+                running = sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                              if x.startswith("tierserve_requests_running{"))
+                samples.append(int(running) - int(probing[0]))
+                await asyncio.sleep(0.02)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(16)), prober(), sampler())
+        rps = done[0] / (time.perf_counter() - t0)
+    return {"over": sum(x > 4 for x in samples) / max(len(samples), 1),
+            "max": max(samples, default=0), "p50": 1e3 * percentile(ttfts, 0.5),
+            "p99": 1e3 * percentile(ttfts, 0.99), "rps": rps}
+
+
 async def part_race(server: str, tmp: Path, echo: str) -> None:
     import psycopg
 
@@ -240,7 +380,7 @@ async def part_race(server: str, tmp: Path, echo: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", default="cost,ceiling,race")
+    p.add_argument("--part", default="cost,ceiling,replicas,order,race")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--calls", type=int, default=500)
     args = p.parse_args()
@@ -255,6 +395,10 @@ def main() -> int:
             part_cost(create_database(server), args.calls, echo)
         if "ceiling" in parts:
             asyncio.run(part_ceiling(server, tmp, args, echo))
+        if "replicas" in parts:
+            asyncio.run(part_replicas(server, tmp, args, echo))
+        if "order" in parts:
+            asyncio.run(part_order(server, tmp, args, echo))
         if "race" in parts:
             asyncio.run(part_race(server, tmp, echo))
     return 0

@@ -295,3 +295,69 @@ def test_a_batch_outlives_the_gateway_running_it_each_line_once(replicas, pg_dat
             os.killpg(proc.pid, signal.SIGKILL)
         if b is not None:
             b.stop()
+
+
+HAPROXY = """global
+    maxconn 512
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 120s
+    timeout server 120s
+frontend tierserve
+    bind 127.0.0.1:{port}
+    default_backend gateways
+backend gateways
+    balance roundrobin
+    option httpchk GET /health
+{servers}
+"""
+
+
+def test_two_gateways_behind_haproxy_share_one_budget(replicas, pg_database, tmp_path):  # noqa: F811
+    """The README's deployment: two gateways with one --database behind HAProxy (Debian's
+    package; CI installs it). Requests alternate between them, and the tenant's budget
+    is one: the two together stop it at budget + one worst case."""
+    import shutil
+
+    from tierserve.metering.prices import PriceList
+    if shutil.which("haproxy") is None:
+        if os.environ.get("CI", "").lower() in ("1", "true"):
+            pytest.fail("haproxy is not installed (.ci/run installs Debian's package)")
+        pytest.skip("haproxy is not installed (apt-get install haproxy)")
+    worst = PriceList().charge(Tier.DEFAULT, len(PROMPT.encode()), 0, MAX_TOKENS)
+    gws = gateways(replicas, pg_database, 2, budgets={"a": Budget(4 * worst, "day")})
+    port = free_port()
+    servers = "\n".join(f"    server g{i} 127.0.0.1:{g.port} check inter 500"
+                        for i, g in enumerate(gws))
+    (tmp_path / "haproxy.cfg").write_text(HAPROXY.format(port=port, servers=servers))
+    proxy = subprocess.Popen(["haproxy", "-db", "-f", str(tmp_path / "haproxy.cfg")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "haproxy not up"
+            time.sleep(0.2)
+        got = [post(url) for _ in range(12)]  # one at a time: round robin alternates
+        for g in gws:
+            g.app.state.tierserve.recorder.ledger.close()
+        served = [sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(
+            g.url + "/metrics", timeout=10).text.splitlines()
+            if line.startswith("tierserve_request_finished_total{")) for g in gws]
+    finally:
+        os.killpg(proxy.pid, signal.SIGKILL)
+        for g in gws:
+            g.stop()
+    ok = [r for r in got if r.status_code == 200]
+    assert all(r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+               for r in got if r.status_code != 200)
+    assert 1 <= len(ok) < 12 and all(s >= 1 for s in served), (len(ok), served)
+    (total,), = rows(pg_database, "SELECT coalesce(sum(charge), 0) FROM requests")
+    assert total <= 4 * worst + worst
