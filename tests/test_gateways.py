@@ -128,7 +128,7 @@ def test_a_killed_gateway_s_holds_stop_counting_within_their_lease(
         [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port), "--config",
          str(config), "--database", pg_database, "--no-batches",
          *sum((["--backend", r.url] for r in replicas), [])],
-        env={**os.environ, "TIERSERVE_HOLD_LEASE_S": "3"}, stdout=log, stderr=log,
+        env={**os.environ, "TIERSERVE_LEASE_S": "3"}, stdout=log, stderr=log,
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

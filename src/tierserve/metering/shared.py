@@ -41,9 +41,9 @@ import uuid
 
 from tierserve.db import Database
 
-LEASE_S = float(os.environ.get("TIERSERVE_HOLD_LEASE_S", "30"))
-"""A hold counts this long after its gateway last renewed it ($TIERSERVE_HOLD_LEASE_S;
-every gateway of a database should use the same)."""
+LEASE_S = float(os.environ.get("TIERSERVE_LEASE_S", "30"))
+"""A hold counts this long after its gateway last renewed it ($TIERSERVE_LEASE_S, which
+batch lines' leases read too; every gateway of a database should use the same)."""
 LOAD_TTL_S = 2.0
 """Another gateway's published replica load counts this long (it publishes every
 LOAD_INTERVAL_S)."""
