@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,8 +41,10 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from epp import Proc, wait_http  # noqa: E402  (benchmarks/epp.py: the same processes)
 from pg import create_database, postgres_server  # noqa: E402
 
+from tierserve.bench.loopback import free_port  # noqa: E402
 from tierserve.core.stats import percentile  # noqa: E402
 from tierserve.tiers import Tier  # noqa: E402
 
@@ -97,41 +98,6 @@ def part_cost(url: str, calls: int, echo: str) -> None:
           f"in_memory_hold_ms p50/p99={ms(mem, .5)}/{ms(mem, .99)} bucket_take_ms "
           f"p50/p99={ms(take, .5)}/{ms(take, .99)} in_memory_take_ms p50/p99="
           f"{ms(mem_take, .5)}/{ms(mem_take, .99)}", flush=True)
-
-
-class Proc:
-    def __init__(self, args, log: Path, env=None):
-        self.log = open(log, "ab")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=self.log,
-                                     start_new_session=True, env={**os.environ, **(env or {})})
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def free_port() -> int:
-    from tierserve.bench.loopback import free_port as port
-    return port()
-
-
-async def wait_http(url: str, timeout_s: float = 120) -> None:
-    deadline = time.time() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while time.time() < deadline:
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
-                    if r.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
-            await asyncio.sleep(0.3)
-    raise SystemExit(f"{url} did not come up")
 
 
 def gateway(tmp: Path, name: str, upstreams: list[str], database: str | None, config: Path):

@@ -67,6 +67,20 @@ class TierserveReplica:
         return ReplicaSpec(self.url, [MODEL], kind, name=self.name, **kw)
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 60.0) -> None:
+    """Until `url`/health answers 200; the process's log in the failure if it exits."""
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.time() < deadline, f"{url} not ready in {timeout_s} s"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 class Gateway:
     """The tierserve server in fleet mode, in this process, on a loopback port."""
 

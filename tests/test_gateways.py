@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from fleet_util import MODEL, Gateway, TierserveReplica, free_port
+from fleet_util import MODEL, Gateway, TierserveReplica, free_port, wait_healthy
 from pg import pg_database, pg_server  # noqa: F401,F811 (fixtures)
 from tierserve.metering import shared
 from tierserve.metering.recorder import Budget
@@ -132,16 +132,7 @@ def test_a_killed_gateway_s_holds_stop_counting_within_their_lease(
         start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
-            assert time.time() < deadline, "gateway not ready"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url, tmp_path / "gateway.log")
         pool = concurrent.futures.ThreadPoolExecutor(6)
         long = [pool.submit(post, url, 400, 60) for _ in range(6)]
         deadline = time.time() + 30
@@ -243,16 +234,7 @@ def test_a_batch_outlives_the_gateway_running_it_each_line_once(replicas, pg_dat
     url = f"http://127.0.0.1:{port}"
     b = None
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None, (tmp_path / "a.log").read_text()
-            assert time.time() < deadline, "gateway A not ready"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(proc, url, tmp_path / "a.log")
         lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
                              "body": {"model": MODEL, "prompt": f"Item {i}:", "max_tokens": 40,
                                       "ignore_eos": True}}) for i in range(10)]

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import yaml
 
-from fleet_util import TierserveReplica, free_port
+from fleet_util import TierserveReplica, free_port, wait_healthy
 
 SMALL, LARGE = "small", "large"
 
@@ -47,16 +47,7 @@ def fleet(tmp_path_factory):
              "--machine-price-per-hour", "3.6"],
             stdout=log, stderr=log, start_new_session=True, env={**os.environ})
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while True:
-            assert gw.poll() is None, (root / "gateway.log").read_text()
-            assert time.time() < deadline, "gateway not ready"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        wait_healthy(gw, url, root / "gateway.log", 120)
         yield {"url": url, "reps": reps, "root": root, "log": root / "gateway.log"}
     finally:
         if gw is not None:

@@ -75,6 +75,13 @@ async def one(http, url: str, body: dict, at: float, start: float, out: list) ->
 
 async def run_phase(url: str, requests: list[dict], model: str, tier: str | None,
                     phase: str, rate: float, seed: int, max_tokens: int) -> list[dict]:
+    return await send(url, requests, lambda i: (model, tier), phase, rate, seed, max_tokens)
+
+
+async def send(url: str, requests: list[dict], choose, phase: str, rate: float, seed: int,
+               max_tokens: int) -> list[dict]:
+    """The requests, streamed open loop at `rate` (Poisson, seeded); `choose(i)`: the
+    (model, tier or None) of request i."""
     import httpx
 
     rng = random.Random(seed)
@@ -82,6 +89,7 @@ async def run_phase(url: str, requests: list[dict], model: str, tier: str | None
     start = time.monotonic()
     async with httpx.AsyncClient(timeout=600) as http:
         for i, req in enumerate(requests):
+            model, tier = choose(i)
             body = {"model": model, "messages": req["messages"], "max_tokens": max_tokens,
                     "temperature": 0, "stream": True, "ignore_eos": True,
                     "metadata": {"phase": phase, "label": req["label"], "i": str(i)}}

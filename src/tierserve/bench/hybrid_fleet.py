@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from tierserve.bench import loopback
-from tierserve.bench.hybrid import LARGE, LEARNED, RULES, one
+from tierserve.bench.hybrid import LARGE, LEARNED, RULES, send
 from tierserve.core.stats import percentile
 from tierserve.route.conversations import workload
 
@@ -65,28 +65,6 @@ def gateway_config(small: str, large: str, classifier: str) -> str:
         "pools": {"large": {"tokenizer": str(default_model_path())}},
         "routes": {"hybrid-rules": RULES, "hybrid-learned": LEARNED},
         "route_classifier": classifier}, sort_keys=False)
-
-
-async def send(url: str, requests: list[dict], choose, phase: str, rate: float, seed: int,
-               max_tokens: int) -> list[dict]:
-    """`choose(i)`: (model, tier or None) of request i."""
-    import httpx
-
-    rng = random.Random(seed)
-    at, out, tasks = 0.0, [], []
-    start = time.monotonic()
-    async with httpx.AsyncClient(timeout=600) as http:
-        for i, req in enumerate(requests):
-            model, tier = choose(i)
-            body = {"model": model, "messages": req["messages"], "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True, "ignore_eos": True,
-                    "metadata": {"phase": phase, "label": req["label"], "i": str(i)}}
-            if tier:
-                body["service_tier"] = tier
-            tasks.append(asyncio.create_task(one(http, url, body, at, start, out)))
-            at += rng.expovariate(rate)
-        await asyncio.gather(*tasks)
-    return out
 
 
 def rows_of(ledger: str, phase: str) -> list[dict]:
