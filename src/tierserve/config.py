@@ -196,17 +196,86 @@ class TierConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding by prompt lookup (vLLM's `--speculative-config` keys for its
+    n-gram method, plus `tiers`): drafts copied from earlier in the request, verified in
+    one step (core/speculate.py)."""
+
+    method: str = "ngram"
+    """The only method: n-gram prompt lookup (no draft model)."""
+    num_speculative_tokens: int = 3
+    """Most draft tokens verified per step and request. 3 by measurement on a CPU: the
+    4-bit kernels take up to four rows in one pass over the weights, so a decode and
+    three drafts cost 1.4x a decode step, and four drafts 2.1x (docs/benchmarks.md)."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram of the newest tokens looked up earlier in the request."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram that still proposes a draft."""
+    disable_by_batch_size: int = 4
+    """No drafts while more requests than this run: a full batch has no compute to spare
+    for tokens that may be thrown away."""
+    tiers: tuple[str, ...] = ("priority",)
+    """Tiers (as served) whose requests speculate: the fast lane by default."""
+
+    @classmethod
+    def parse(cls, text: str | dict) -> "SpeculativeConfig":
+        """From `--speculative-config` JSON (or a dict); unknown keys are refused."""
+        import json
+        if isinstance(text, str):
+            try:
+                text = json.loads(text)
+            except ValueError as exc:
+                raise ConfigError(f"speculative_config is not JSON: {exc}") from None
+        if not isinstance(text, dict):
+            raise ConfigError("speculative_config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(text) - known)
+        if bad:
+            raise ConfigError(f"speculative_config: unknown key {bad[0]!r}; keys are "
+                              f"{', '.join(sorted(known))}")
+        values = dict(text)
+        if "tiers" in values:
+            tiers = values["tiers"]
+            values["tiers"] = tuple([tiers] if isinstance(tiers, str) else tiers)
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method != "ngram":
+            raise ConfigError(f"speculative_config.method: only 'ngram' is supported, got "
+                              f"{self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"speculative_config.{name} must be an integer >= 1, "
+                                  f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError("speculative_config.prompt_lookup_min must be <= "
+                              "prompt_lookup_max")
+        bad = [t for t in self.tiers if t not in TIER_NAMES]
+        if bad or not self.tiers:
+            raise ConfigError(f"speculative_config.tiers: unknown tier {bad[0] if bad else ''!r}; "
+                              f"tiers are {', '.join(TIER_NAMES)}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (None: off)."""
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
         self.tiers.validate()
+        if self.speculative is not None:
+            self.speculative.validate()
         if (not self.scheduler.enable_chunked_prefill and self.model.max_model_len
                 and self.scheduler.max_num_batched_tokens < self.model.max_model_len):
             raise ConfigError("without chunked prefill, max_num_batched_tokens "

@@ -16,7 +16,7 @@ from dataclasses import MISSING, fields
 
 from tierserve.config import (DEPLOYMENTS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS,
                               CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                              TierConfig, resolve_dtype)
+                              SpeculativeConfig, TierConfig, resolve_dtype)
 
 SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
             ("tiers", TierConfig))
@@ -95,6 +95,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                default=default, choices=CHOICES.get(f.name),
                                help=help_text if default is None
                                else f"{help_text} (default: {default})")
+    p.add_argument_group("speculative").add_argument(
+        "--speculative-config", dest="speculative_config", action=Remember, default=None,
+        metavar="JSON", help="speculative decoding by n-gram prompt lookup, as vLLM's flag: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2, \"disable_by_batch_size\": 4, \"tiers\": [\"priority\"]}' "
+        "(those are the defaults of the keys left out; `tiers`, which served tiers "
+        "speculate, is tierserve's). Default: off")
 
 
 def explicit(args) -> set[str]:
@@ -112,5 +119,8 @@ def engine_config_from_args(args) -> EngineConfig:
     for section, cls in SECTIONS:
         parts[section] = cls(**{f.name: getattr(args, f.name) for f in fields(cls)
                                 if f.name not in YAML_ONLY and hasattr(args, f.name)})
+    spec = getattr(args, "speculative_config", None)
+    if spec:
+        parts["speculative"] = SpeculativeConfig.parse(spec)
     return EngineConfig(**parts)
 

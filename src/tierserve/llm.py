@@ -1,7 +1,7 @@
 """Offline API shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams)`."""
 
 from tierserve.config import (SLO, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                              TierConfig)
+                              SpeculativeConfig, TierConfig)
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.core.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
@@ -17,8 +17,11 @@ def engine_config(**kwargs) -> EngineConfig:
     from tierserve.errors import ConfigError
 
     parts = {"model": {}, "cache": {}, "scheduler": {}, "tiers": {}}
+    speculative = None
     for key, value in kwargs.items():
-        if key in _MODEL_KEYS:
+        if key == "speculative_config":    # vLLM's keyword: a dict (or its JSON)
+            speculative = SpeculativeConfig.parse(value) if value else None
+        elif key in _MODEL_KEYS:
             parts["model"][key] = value
         elif key in _CACHE_KEYS:
             parts["cache"][key] = value
@@ -31,7 +34,8 @@ def engine_config(**kwargs) -> EngineConfig:
     if "slo" in parts["tiers"]:
         parts["tiers"]["slo"] = parse_slo(parts["tiers"]["slo"])
     return EngineConfig(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
-                        SchedulerConfig(**parts["scheduler"]), TierConfig(**parts["tiers"]))
+                        SchedulerConfig(**parts["scheduler"]), TierConfig(**parts["tiers"]),
+                        speculative)
 
 
 def parse_slo(raw) -> dict[str, SLO]:

@@ -15,7 +15,7 @@ NOTE: who does what
     bookkeeping.
 """
 
-from tierserve.config import SchedulerConfig
+from tierserve.config import SchedulerConfig, SpeculativeConfig
 from tierserve.core.accounting import Accounting
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.policy import make_policy
@@ -30,14 +30,16 @@ class EngineCore:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  max_model_len: int, enable_prefix_caching: bool = True,
                  step_time_model: StepTimeModel | None = None,
-                 step_time_limit_s: float | None = None):
+                 step_time_limit_s: float | None = None,
+                 speculative: SpeculativeConfig | None = None):
         config.validate()
         self.policy = make_policy(config.policy)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
                                           evict_by_tier=self.policy.tiered)
         self.scheduler = Scheduler(config, self.block_manager, max_model_len, self.policy,
                                    step_time_model=step_time_model,
-                                   step_time_limit_s=step_time_limit_s)
+                                   step_time_limit_s=step_time_limit_s,
+                                   speculative=speculative)
         self.max_model_len = max_model_len
         self.accounting = Accounting()
         self._requests: dict[str, Request] = {}

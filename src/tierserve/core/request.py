@@ -92,6 +92,11 @@ class Request:
     num_ever_computed: int = 0
     """High-water mark of num_computed_tokens, to count recomputation."""
     stop_reason: int | str | None = None
+    can_speculate: bool = True
+    """Whether drafts may be verified for it (the engine says no where its sampling
+    cannot take several tokens a step, e.g. logprobs)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens the current step verifies after the newest token (core/speculate.py)."""
 
     def __post_init__(self):
         if self.rank < 0:

@@ -60,11 +60,12 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tierserve.config import SchedulerConfig
+from tierserve.config import SchedulerConfig, SpeculativeConfig
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.fair import FairShare
 from tierserve.core.policy import SchedulingPolicy, make_policy
 from tierserve.core.request import Request, RequestStatus
+from tierserve.core.speculate import NgramProposer
 from tierserve.core.step_time import EPS_S, StepTimeModel
 from tierserve.core.tier_rules import StepCaps, TierClock, victim
 from tierserve.tiers import Tier
@@ -83,6 +84,10 @@ class ScheduledSeq:
     """The chunk reaches the newest token, so the step samples the next one."""
     is_decode: bool
     num_output_tokens: int
+    num_draft: int = 0
+    """The last `num_draft` of token_ids are draft tokens to verify (a decode that
+    speculates): every position is sampled, and the tokens kept run to the first one
+    that differs from its draft."""
 
 
 @dataclass
@@ -104,7 +109,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.seqs if s.is_decode)
+        """Tokens of decodes (a speculating decode counts its drafts)."""
+        return sum(1 + s.num_draft for s in self.seqs if s.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -119,6 +125,8 @@ class SchedulerOutput:
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     """Next token of every sequence whose ScheduledSeq had sample=True."""
+    more_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Of a speculating decode: the verified tokens after the first, in order."""
     logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
     """For requests that asked: the token's logprob and the top (token, logprob) pairs."""
 
@@ -148,9 +156,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
                  max_model_len: int, policy: SchedulingPolicy | None = None,
                  step_time_model: StepTimeModel | None = None,
-                 step_time_limit_s: float | None = None):
-        """`step_time_model` and `step_time_limit_s` enable the tiered step-time cap."""
+                 step_time_limit_s: float | None = None,
+                 speculative: SpeculativeConfig | None = None):
+        """`step_time_model` and `step_time_limit_s` enable the tiered step-time cap;
+        `speculative`, drafts by prompt lookup (core/speculate.py)."""
         self.config = config
+        self.speculative = speculative
+        self.proposer = NgramProposer(speculative) if speculative else None
+        self._spec_tiers = {Tier.parse(t) for t in speculative.tiers} if speculative else set()
+        self.num_draft_tokens: Counter[Tier] = Counter()
+        self.num_accepted_tokens: Counter[Tier] = Counter()
+        """Draft tokens verified and kept, per served tier (vLLM's spec_decode counters)."""
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.policy = policy or make_policy(config.policy)
@@ -220,6 +236,8 @@ class Scheduler:
             self._num_waiting -= 1  # stays in the heap; skipped when it surfaces
         request.status = status
         self.block_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         return request
 
     # -------------------------------------------------------------- schedule
@@ -267,9 +285,29 @@ class Scheduler:
         for request in sorted(self.running, key=self.policy.key):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = self._fit(request, request.num_tokens - request.num_computed_tokens, step)
+            want = request.num_tokens - request.num_computed_tokens
+            drafts = self._drafts(request, step) if want == 1 else []
+            num_new = self._fit(request, want + len(drafts), step)
+            request.draft_token_ids = drafts[:max(num_new - want, 0)]
             if num_new and self._allocate(request, num_new, step):
                 self._add(request, num_new, step)
+
+    def _drafts(self, request: Request, step: _Step) -> list[int]:
+        """Draft tokens for a running decode, where speculation may spend compute on it:
+        its tier speculates, the batch is small (running and waiting requests together
+        within disable_by_batch_size: a queue gets the room first), and a step-time
+        cap, where one is on, never cuts its decode (priority, or the decode cap)."""
+        spec = self.speculative
+        if spec is None or not request.can_speculate or request.tier not in self._spec_tiers \
+                or len(self.running) + self._num_waiting > spec.disable_by_batch_size \
+                or not self._is_decoding(request):
+            return []
+        if step.time_limit_s is not None and request.tier != Tier.PRIORITY \
+                and not step.decodes_only_cap:
+            return []
+        limit = min(request.max_tokens - request.num_output_tokens,
+                    self.max_len(request.tier) - request.num_tokens) - 1
+        return self.proposer.propose(request, limit)
 
     def _schedule_waiting(self, step: _Step) -> None:
         bm = self.block_manager
@@ -390,6 +428,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
+        request.draft_token_ids = []
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -433,17 +472,19 @@ class Scheduler:
 
     def _describe(self, request: Request, num_new: int) -> ScheduledSeq:
         start = request.num_computed_tokens
-        end = start + num_new
+        drafts = request.draft_token_ids
+        end = start + num_new - len(drafts)
         num_output = len(request.output_token_ids)
         sample = end == len(request.prompt_token_ids) + num_output
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.tokens_slice(start, end),
+            token_ids=request.tokens_slice(start, end) + drafts,
             start_pos=start,
             block_table=list(request.block_table),
             sample=sample,
-            is_decode=num_new == 1 and sample and num_output > 0,
-            num_output_tokens=num_output)
+            is_decode=num_new == 1 + len(drafts) and sample and num_output > 0,
+            num_output_tokens=num_output,
+            num_draft=len(drafts))
 
     # ---------------------------------------------------------------- update
     def update(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
@@ -454,6 +495,13 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             n = len(seq.token_ids)
+            tokens = [runner_output.sampled_token_ids[seq.request_id]] if seq.sample else []
+            if seq.num_draft:    # the positions up to the first token off its draft count
+                tokens += runner_output.more_token_ids.get(seq.request_id, [])
+                n = len(tokens)
+                self.num_draft_tokens[request.tier] += seq.num_draft
+                self.num_accepted_tokens[request.tier] += n - 1
+                request.draft_token_ids = []
             recomputed = max(0, min(seq.start_pos + n, request.num_ever_computed) - seq.start_pos)
             request.num_recomputed_tokens += recomputed
             self.num_recomputed_tokens += recomputed
@@ -462,11 +510,13 @@ class Scheduler:
             request.num_computed_tokens += n
             request.num_ever_computed = max(request.num_ever_computed, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
-            if seq.sample:
-                request.output_token_ids.append(runner_output.sampled_token_ids[seq.request_id])
+            for token in tokens:
+                request.output_token_ids.append(token)
                 status = self._check_stop(request)
                 if status is not None:
                     self.finish_request(request.request_id, status)
+                    break
+            if tokens:
                 touched.append(request)
         return touched
 

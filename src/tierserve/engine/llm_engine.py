@@ -91,7 +91,13 @@ class LLMEngine:
                 f"{describe(self.generation_defaults)} (from {source}; "
                 "--generation-config vllm: OpenAI's)")
         self.core = EngineCore(config.scheduler, num_blocks, cc.block_size, self.max_model_len,
-                               cc.enable_prefix_caching)
+                               cc.enable_prefix_caching, speculative=config.speculative)
+        if config.speculative is not None:
+            spec = config.speculative
+            say(f"speculative decoding: n-gram prompt lookup, up to "
+                f"{spec.num_speculative_tokens} draft tokens ({spec.prompt_lookup_min}-"
+                f"{spec.prompt_lookup_max}-grams) for {', '.join(spec.tiers)}, while at most "
+                f"{spec.disable_by_batch_size} requests run")
         self.core.accounting.sinks.extend(stat_sinks or [])
         self.scheduler, self.block_manager = self.core.scheduler, self.core.block_manager
         self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed)
@@ -157,7 +163,8 @@ class LLMEngine:
             arrival_time=self.clock.now() if arrival_time is None else arrival_time,
             eos_token_id=self.eos_token_id, stop_token_ids=list(params.stop_token_ids),
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, tier=tier_value,
-            priority=priority, owner=owner or NO_OWNER)
+            priority=priority, owner=owner or NO_OWNER,
+            can_speculate=params.logprobs is None)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
@@ -255,9 +262,11 @@ class LLMEngine:
         new_ids = request.output_token_ids[tracked.num_sent_tokens:]
         tracked.num_sent_tokens = request.num_output_tokens
         if detok is not None:
-            for token in new_ids:
+            for i, token in enumerate(new_ids):
                 if detok.add_token(token):  # a stop string matched: it ends the request
                     request.stop_reason = detok.stop_reason
+                    self._drop_after(tracked, len(new_ids) - i - 1)
+                    new_ids = new_ids[:i + 1]
                     if request.is_finished:
                         request.status = RequestStatus.FINISHED_STOPPED
                     else:
@@ -273,6 +282,16 @@ class LLMEngine:
             self._finish(tracked, now)
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
                              [completion], finished, delta, new_ids, stats)
+
+    @staticmethod
+    def _drop_after(tracked: _Tracked, extra: int) -> None:
+        """Tokens a step made past a matched stop string (a speculating step makes
+        several) are not output: drop them from the request and its timeline."""
+        if extra <= 0:
+            return
+        del tracked.request.output_token_ids[-extra:]
+        del tracked.stats.token_times[-extra:]
+        tracked.num_sent_tokens -= extra
 
     def _finish(self, tracked: _Tracked, now: float) -> None:
         self._tracked.pop(tracked.request.request_id, None)

@@ -110,6 +110,9 @@ def build(args):
         for spec in settings.backends:
             print(f"tierserve: {discover(spec)}", file=sys.stderr, flush=True)
     config = engine_config_from_args(args)
+    if settings.backends and config.speculative is not None:
+        raise ConfigError("--speculative-config applies to the in-process engine; a fleet's "
+                          "replicas speculate by their own flags (vLLM's --speculative-config)")
     if "slo" in extra:
         from tierserve.llm import parse_slo
         config.tiers.slo = parse_slo(extra["slo"])

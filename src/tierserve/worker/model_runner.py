@@ -17,6 +17,12 @@ from tierserve.worker.grammar import GrammarState
 from tierserve.worker.sampler import SamplingState, sample
 
 
+def _decodes(seq: ScheduledSeq) -> bool:
+    """Whether the paged decode kernel computes the seq's attention: one token, or a
+    speculating decode (one query per position)."""
+    return seq.is_decode or len(seq.token_ids) == 1
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
         if can_pack(model):
@@ -63,7 +69,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        seqs = sorted(output.seqs, key=lambda s: len(s.token_ids) > 1)   # decodes first
+        seqs = sorted(output.seqs, key=lambda s: not _decodes(s))   # decodes first
         input_ids, positions, attn, sample_rows = self._prepare(seqs)
         if self.lean is not None:
             hidden = self.lean(self.model.embed(input_ids), positions, attn)
@@ -74,12 +80,39 @@ class ModelRunner:
             return RunnerOutput()
         head = self.lean.logits if self.lean is not None else self.model.compute_logits
         logits = head(hidden[sample_rows])
-        tokens = sample(logits, [self.states[s.request_id] for s in sampled],
-                        [s.num_output_tokens for s in sampled])
-        asked = [s.request_id for s in sampled
-                 if self.states[s.request_id].params.logprobs is not None]
-        return RunnerOutput({s.request_id: t for s, t in zip(sampled, tokens)},
-                            {rid: self.states[rid].last_logprob for rid in asked})
+        out = RunnerOutput()
+        row, rows = 0, []
+        for s in sampled:                       # each seq's first logits row
+            rows.append(row)
+            row += 1 + s.num_draft
+        plain = [i for i, s in enumerate(sampled) if not s.num_draft]
+        if plain:
+            tokens = sample(logits[[rows[i] for i in plain]],
+                            [self.states[sampled[i].request_id] for i in plain],
+                            [sampled[i].num_output_tokens for i in plain])
+            out.sampled_token_ids = {sampled[i].request_id: t for i, t in zip(plain, tokens)}
+        for i, s in enumerate(sampled):
+            if s.num_draft:
+                kept = self._verify(s, logits[rows[i]:rows[i] + 1 + s.num_draft])
+                out.sampled_token_ids[s.request_id] = kept[0]
+                out.more_token_ids[s.request_id] = kept[1:]
+        out.logprobs = {s.request_id: self.states[s.request_id].last_logprob for s in sampled
+                        if self.states[s.request_id].params.logprobs is not None}
+        return out
+
+    def _verify(self, seq: ScheduledSeq, logits: torch.Tensor) -> list[int]:
+        """A speculating decode's tokens: each position sampled as a decode step would
+        sample it (one draw of the request's generator, its penalties and grammar as of
+        the tokens kept before), up to and including the first that is not its draft."""
+        state = self.states[seq.request_id]
+        drafts = seq.token_ids[-seq.num_draft:]
+        kept = []
+        for i in range(seq.num_draft + 1):
+            token = sample(logits[i:i + 1], [state], [seq.num_output_tokens + i])[0]
+            kept.append(token)
+            if i == seq.num_draft or token != drafts[i]:
+                break
+        return kept
 
     def _prepare(self, seqs: list[ScheduledSeq]):
         bs = self.block_size
@@ -92,28 +125,35 @@ class ModelRunner:
             positions += range(start, start + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if seq.sample:
-                sample_rows.append(offset + n - 1)
-            (decodes if n == 1 else prefills).append((seq, offset))
+            if seq.sample:   # a speculating decode samples each of its positions
+                sample_rows += range(offset + n - 1 - seq.num_draft, offset + n)
+            if _decodes(seq):
+                # each position of a speculating decode is a decode query of its own (the
+                # step stores every row's K and V before attending), so verifying drafts
+                # costs what decoding that many rows does, not a prefill chunk's path
+                decodes += [(seq, start + i) for i in range(n)]
+            else:
+                prefills.append((seq, offset))
         attn = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decodes=len(decodes),
             decode_block_tables=None, decode_mask=None, decode_context_lens=None,
             decode_kernel=self.decode_kernel,
             prefills=[self._prefill_chunk(seq, offset) for seq, offset in prefills])
         if decodes:
-            seqs_d = [seq for seq, _ in decodes]
-            attn.decode_block_tables, attn.decode_mask = self._decode_tables(seqs_d)
-            attn.decode_context_lens = self._tensor([s.start_pos + 1 for s in seqs_d])
+            attn.decode_block_tables, attn.decode_mask = self._decode_tables(decodes)
+            attn.decode_context_lens = self._tensor([pos + 1 for _, pos in decodes])
         return (self._tensor(input_ids), self._tensor(positions), attn,
                 self._tensor(sample_rows))
 
-    def _decode_tables(self, seqs: list[ScheduledSeq]):
-        width = max(len(s.block_table) for s in seqs)
-        tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
+    def _decode_tables(self, decodes: list[tuple[ScheduledSeq, int]]):
+        """Block tables (and, without the kernel, masks) of decode queries: (seq, position)."""
+        width = max(len(s.block_table) for s, _ in decodes)
+        tables = self._tensor([s.block_table + [0] * (width - len(s.block_table))
+                               for s, _ in decodes])
         if self.decode_kernel is not None:
             return tables, None                       # the kernel needs no mask
         key_pos = torch.arange(width * self.block_size, device=self.device)
-        query_pos = self._tensor([s.start_pos for s in seqs])
+        query_pos = self._tensor([pos for _, pos in decodes])
         mask = (key_pos.unsqueeze(0) <= query_pos.unsqueeze(1))          # [D, L]
         return tables, mask[:, None, None, :]
 
