@@ -228,3 +228,27 @@ def test_the_real_model_keeps_drafts_and_bills_each_token_once():
     assert sum(fast.scheduler.num_accepted_tokens.values()) - before >= 30
     stats = out.metrics
     assert stats.num_output_tokens == len(out.outputs[0].token_ids) == len(stats.token_times)
+
+
+def test_served_over_http_with_the_counters_on_metrics():
+    """`/v1/chat/completions` on an engine that speculates: the copied answer, its usage,
+    and vLLM's and tierserve's draft counters on `/metrics`."""
+    import httpx
+
+    from test_server import LiveServer
+    from tierserve.server.settings import ServerSettings
+
+    srv = LiveServer(ServerSettings(), speculative_config=SPEC)
+    try:
+        r = srv.client().chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": COPY}], max_tokens=60,
+            temperature=0)
+        assert r.choices[0].message.content.startswith("The scheduler hands out tokens")
+        assert r.usage.completion_tokens <= 60
+        text = httpx.get(srv.url + "/metrics").text
+        kept = [line for line in text.splitlines()
+                if line.startswith("tierserve_spec_accepted_tokens_total{") and 'tier="default"' in line]
+        assert kept and float(kept[0].split()[-1]) > 0
+        assert "vllm:spec_decode_num_accepted_tokens_total{" in text
+    finally:
+        srv.stop()

@@ -76,7 +76,9 @@ class EngineCore:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             num_output_tokens=request.num_output_tokens,
             num_preemptions=request.num_preemptions,
-            num_recomputed_tokens=request.num_recomputed_tokens)
+            num_recomputed_tokens=request.num_recomputed_tokens,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens)
 
     # ------------------------------------------------------------------- step
     def plan(self, now: float) -> tuple[SchedulerOutput, list[Request]]:

@@ -92,6 +92,9 @@ class Request:
     num_ever_computed: int = 0
     """High-water mark of num_computed_tokens, to count recomputation."""
     stop_reason: int | str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    """Draft tokens verified for it, and of them kept (speculative decoding)."""
     can_speculate: bool = True
     """Whether drafts may be verified for it (the engine says no where its sampling
     cannot take several tokens a step, e.g. logprobs)."""

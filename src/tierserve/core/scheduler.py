@@ -501,6 +501,8 @@ class Scheduler:
                 n = len(tokens)
                 self.num_draft_tokens[request.tier] += seq.num_draft
                 self.num_accepted_tokens[request.tier] += n - 1
+                request.num_draft_tokens += seq.num_draft
+                request.num_accepted_tokens += n - 1
                 request.draft_token_ids = []
             recomputed = max(0, min(seq.start_pos + n, request.num_ever_computed) - seq.start_pos)
             request.num_recomputed_tokens += recomputed

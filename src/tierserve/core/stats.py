@@ -96,6 +96,9 @@ class RequestStats:
     num_output_tokens: int = 0
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    num_draft_tokens: int = 0
+    """Speculative decoding: draft tokens verified for it, and of them kept."""
+    num_accepted_tokens: int = 0
     finish_reason: str | None = None
     cost: RequestCost | None = None
     """Machine cost, from the engine core's metering when the request finishes."""

@@ -59,6 +59,10 @@ class Metrics:
         self.kv_blocks_in_use = Gauge(
             "tierserve_kv_blocks_in_use", "KV blocks held by requests, read at each scrape "
             "(in-process engines; cached-but-free blocks count as free).", ["model"], registry=r)
+        self.spec_drafts = Counter("tierserve_spec_draft_tokens", "Draft tokens verified "
+                                   "(speculative decoding), by tier.", tm, registry=r)
+        self.spec_accepted = Counter("tierserve_spec_accepted_tokens",
+                                     "Draft tokens verified and kept, by tier.", tm, registry=r)
         self.preemptions = Counter("tierserve_preemptions",
                                    "Preemptions of requests, by the preempted one's tier.", tm,
                                    registry=r)
@@ -135,6 +139,8 @@ class Metrics:
         self.cached_tokens.labels(*labels).inc(s.num_cached_tokens)
         self.wasted.labels(*labels).inc(s.num_recomputed_tokens)
         self.preemptions.labels(*labels).inc(s.num_preemptions)
+        self.spec_drafts.labels(*labels).inc(s.num_draft_tokens)
+        self.spec_accepted.labels(*labels).inc(s.num_accepted_tokens)
         slo = self.slo.get(tier.label)
         if slo is not None:
             self.slo_checked.labels(*labels).inc()

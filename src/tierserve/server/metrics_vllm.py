@@ -57,6 +57,10 @@ class VllmMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.spec_drafts = counter("vllm:spec_decode_num_draft_tokens",
+                                   "Draft tokens verified (speculative decoding).")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Draft tokens verified and kept.")
         self.cache_queries = counter("vllm:prefix_cache_queries",
                                      "Prompt tokens looked up in the prefix cache.")
         self.cache_hits = counter("vllm:prefix_cache_hits",
@@ -105,6 +109,8 @@ class VllmMetrics:
         self.prompt_tokens.labels(*labels).inc(s.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(s.num_output_tokens)
         self.preemptions.labels(*labels).inc(s.num_preemptions)
+        self.spec_drafts.labels(*labels).inc(s.num_draft_tokens)
+        self.spec_accepted.labels(*labels).inc(s.num_accepted_tokens)
         self.cache_queries.labels(*labels).inc(s.num_prompt_tokens)
         self.cache_hits.labels(*labels).inc(s.num_cached_tokens)
         self.req_prompt.labels(*labels).observe(s.num_prompt_tokens)
