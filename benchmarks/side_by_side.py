@@ -109,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--logs", default=None, help="folder for server logs and raw results")
     args = p.parse_args(argv)
     args.logs = args.logs or tempfile.mkdtemp(prefix="side-by-side-")
+    os.makedirs(args.logs, exist_ok=True)
     servers = args.server or [f"tierserve-bf16|8311|{TIERSERVE} --port 8311",
                               f"tierserve-gguf|8312|{TIERSERVE} --port 8312 --quantization gguf"]
     levels = [int(c) for c in args.concurrency.split(",")]

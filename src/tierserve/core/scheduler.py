@@ -42,7 +42,7 @@ NOTE: the step-time cap (tiered)
     `batch_prefill_tokens` per step: a batch keeps every slot busy, and a priority request
     arriving then waits for one step of decodes, not a long prefill. With no priority
     request about, steps that carry anyone's decodes keep to a looser cap
-    (`decode_time_limit_s`, four times the priority cap by default) by the same rules, so one
+    (`decode_time_limit_s`, 2.5 times the priority cap by default) by the same rules, so one
     long prompt's prefill chunks do not stall every stream in flight; where the decodes
     alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time.
 

