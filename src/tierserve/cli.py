@@ -74,6 +74,8 @@ def cmd_bill(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
+    if args.backend:
+        return _calibrate_backend(args)
     from tierserve.engine.calibrate import calibrate
     from tierserve.engine.llm_engine import LLMEngine
 
@@ -92,6 +94,31 @@ def cmd_calibrate(args) -> int:
     print(f"fixed {model.fixed_s * 1e3:.2f} ms/step, {model.per_seq_s * 1e3:.3f} ms/seq, "
           f"{model.per_token_s * 1e3:.4f} ms/token, {model.per_pair_s * 1e9:.3f} ns/pair; "
           f"a lone decode step {model.predict_s([(1, 256)]) * 1e3:.1f} ms; wrote {args.out}")
+    return 0
+
+
+def _calibrate_backend(args) -> int:
+    """`calibrate --backend URL`: a running replica timed through its API (no engine
+    here, so engine flags would mean nothing: refused)."""
+    from tierserve.engine_args import explicit
+    from tierserve.router.calibrate import calibrate_backend
+
+    given = sorted(explicit(args) - {"model"})
+    if given or args.for_serve or args.whole_step:
+        bad = given[0].replace("_", "-") if given else \
+            ("for-serve" if args.for_serve else "whole-step")
+        raise TierserveError(f"--{bad} describes an engine run here; with --backend the "
+                             "replica is timed as it runs (only --model, --out, --repeats)")
+    say = (lambda line: print(line, file=sys.stderr))
+    model, info = calibrate_backend(args.backend, args.model, args.repeats, say)
+    model.save(args.out, backend=info["url"], model=info["model"], kind=info["kind"],
+               source="streamed timings (tierserve calibrate --backend)",
+               records=info["records"], median_error=round(info["median_error"], 4))
+    print(f"fixed {model.fixed_s * 1e3:.2f} ms/step, {model.per_seq_s * 1e3:.3f} ms/seq, "
+          f"{model.per_token_s * 1e3:.4f} ms/token, {model.per_kv_token_s * 1e6:.3f} us/KV "
+          f"token, {model.per_pair_s * 1e9:.3f} ns/pair; a lone decode step "
+          f"{model.predict_s([(1, 256)]) * 1e3:.1f} ms; median error on its "
+          f"{info['records']} records {info['median_error']:.1%}; wrote {args.out}")
     return 0
 
 
@@ -266,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="time whole engine steps (scheduling and outputs too), for "
                           "`tierserve sim --step-time-profile`; default: the forward pass, "
                           "as the engine's step-time cap uses")
+    cal.add_argument("--backend", metavar="URL", default=None,
+                     help="time a running replica (vLLM or tierserve) through its API "
+                          "instead of an engine here: streamed prefills and decode batches, "
+                          "fitted as a whole-step model for `tierserve sim`; --model names "
+                          "the model to ask for (default: the replica's first)")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

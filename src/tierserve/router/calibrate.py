@@ -1,0 +1,150 @@
+"""A replica's step-time model from the outside: `tierserve calibrate --backend URL`.
+
+NOTE: how
+    The simulator's fleet twin needs a step-time model for every replica, vLLM's as much as
+    tierserve's, and a replica it does not run can only be timed through its API. So this
+    sends a grid of streamed `/v1/completions` (prompts of random token ids, so no prefix
+    cache helps; `ignore_eos`, greedy) and turns what the stream shows into step records,
+    the same (sequences, seconds) pairs the in-process calibration fits:
+
+      lone prefills of rising length   one step of one chunk (n tokens, context n): the
+                                       time to the first token
+      decode batches of rising size,   one step of b decodes at the context reached: each
+      at a short and a long context    gap between two chunks of one stream, taken while
+                                       all b streams are decoding (after the last one's
+                                       first token, before the first one ends)
+
+    and fits the model in relative error, as the simulator's whole-step model is fitted.
+    What the client sees includes the replica's HTTP and detokenizing time, which is what
+    a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
+    runs it).
+"""
+
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+from tierserve.core.step_time import StepTimeModel
+from tierserve.errors import ConfigError
+
+PREFILLS = (16, 64, 256, 512, 1024)
+DECODE_BATCHES = (1, 4, 16, 32)
+DECODE_CONTEXTS = (64, 512)
+
+
+def grid(max_len: int, max_num_seqs: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Prefill lengths and (batch, context) decode cells within the replica's limits."""
+    prefills = [n for n in PREFILLS if n + 8 <= max_len]
+    decodes = [(min(b, max_num_seqs), c) for c in DECODE_CONTEXTS if c + 64 <= max_len
+               for b in DECODE_BATCHES]
+    return prefills, list(dict.fromkeys(decodes))
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
+                  max_tokens: int) -> tuple[float, list[float]]:
+    """(send time, arrival time of each chunk that carries text) of one streamed request."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    sent, times = time.perf_counter(), []
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")[:300]
+            raise ConfigError(f"{url}: /v1/completions answered {r.status_code}: {text}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                times.append(time.perf_counter())
+    return sent, times
+
+
+async def _measure(url: str, model: str, prefills: list[int], decodes: list[tuple[int, int]],
+                   repeats: int, vocab: int, say) -> list[tuple[list[tuple[int, int]], float]]:
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(n)]
+
+    records = []
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        await _stream(client, url, model, prompt(32), 4)            # warm-up, not kept
+        for _ in range(repeats):
+            for n in prefills:
+                sent, times = await _stream(client, url, model, prompt(n), 2)
+                if times:
+                    records.append(([(n, n)], times[0] - sent))
+            for b, c in decodes:
+                tokens = 24 + b * c // 256            # long enough to overlap every stream
+                runs = await asyncio.gather(*(_stream(client, url, model, prompt(c), tokens)
+                                              for _ in range(b)))
+                start = max(t[0] for _, t in runs if t)
+                end = min(t[-1] for _, t in runs if t)
+                gaps = []
+                for _, times in runs:
+                    for i in range(1, len(times)):
+                        if times[i - 1] >= start and times[i] <= end:
+                            gaps.append((i, times[i] - times[i - 1]))
+                if len(gaps) < 3:
+                    say(f"calibrate: batch {b} at context {c}: streams did not overlap; skipped")
+                    continue
+                i = int(statistics.median(g[0] for g in gaps))
+                records.append(([(1, c + i)] * b, statistics.median(g[1] for g in gaps)))
+            say(f"calibrate: {len(records)} step records from {url}")
+    return records
+
+
+MAX_GRID_SEQS = 32
+"""Largest decode batch of the grid (a replica that does not say its slot count gets it)."""
+VOCAB = 32000
+"""Prompt token ids are drawn below this: inside the vocabulary of any model served."""
+
+
+def discover_info(url: str, model: str | None) -> dict:
+    """What the grid needs of the replica: the model to ask for, its context length and
+    its slots (remote.discover's sources), or a ConfigError naming what is missing."""
+    import httpx
+
+    from tierserve.router.remote import ReplicaSpec, discover
+
+    spec = ReplicaSpec(url.rstrip("/"), models=[model] if model else [])
+    spec.validate()
+    line = discover(spec)
+    if not spec.models:
+        raise ConfigError(f"calibrate --backend: {line}")
+    try:
+        cards = httpx.get(spec.url + "/v1/models", timeout=5).json()["data"]
+        card = next(c for c in cards if c.get("id") == spec.models[0])
+        max_len = int(card["max_model_len"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+        raise ConfigError(f"calibrate --backend: {spec.url}/v1/models gives no max_model_len "
+                          f"for {spec.models[0]!r}") from None
+    slots = min(spec.max_num_seqs or MAX_GRID_SEQS, MAX_GRID_SEQS)
+    return {"url": spec.url, "model": spec.models[0], "kind": spec.kind,
+            "max_model_len": max_len, "max_num_seqs": slots, "vocab": VOCAB}
+
+
+def calibrate_backend(url: str, model: str | None = None, repeats: int = 2,
+                      say=lambda line: None, prefills: list[int] | None = None,
+                      decodes: list[tuple[int, int]] | None = None
+                      ) -> tuple[StepTimeModel, dict]:
+    """Fit a step-time model to `url`'s streamed timings. Returns it and what was learned
+    of the replica (model name, max_model_len, slots, step records). `prefills` and
+    `decodes` replace the grid's cells (a quick check)."""
+    info = discover_info(url, model)
+    grid_prefills, grid_decodes = grid(info["max_model_len"], info["max_num_seqs"])
+    prefills, decodes = prefills or grid_prefills, decodes or grid_decodes
+    say(f"calibrate: {url} serves {info['model']} (max_model_len {info['max_model_len']}, "
+        f"{info['max_num_seqs']} slots): prefills {prefills}, decode batches {decodes}")
+    records = asyncio.run(_measure(info["url"], info["model"], prefills, decodes,
+                                   repeats, info["vocab"], say))
+    model_fit = StepTimeModel.fit(records, relative=True)
+    errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
+    info.update(records=len(records), median_error=statistics.median(errors))
+    return model_fit, info
