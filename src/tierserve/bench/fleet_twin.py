@@ -13,8 +13,10 @@ Fleets:
 The gateway is `tierserve serve --backend ...` with explicit priority targets (so the
 twin's gateway adapts to the same ones) in a process of its own.
 
-Each replica is timed through its API (`tierserve calibrate --backend URL`: what the
-simulator takes its step durations from). The twin's replicas plan with what the real
+Each replica is timed through its API as the fleet reaches it: `tierserve calibrate
+--backend URL` pointed at a gateway over that replica alone (what the simulator takes its
+step durations from; timed straight at the replica, the twin missed the relay and the
+gateway's share of the cores: TTFT 24-41% and TPOT 15-41% short). The twin's replicas plan with what the real
 ones plan with: a tierserve replica's own calibration (the cached file its log names)
 and its cap (its log's); a vLLM replica plans with nothing (priority order, no cap), as
 vLLM does.
@@ -185,21 +187,31 @@ def tierserve_fleet(args) -> tuple[list[Proc], list[dict]]:
                   "--no-batches", "--disable-uvicorn-access-log", *flags], env=env)
         procs.append(p)
         specs.append({
-            "url": p.url,
+            "url": p.url, "max_num_seqs": args.max_num_seqs,
             "plan_model": StepTimeModel.load(_log_value(p, r"step-time model from (\S+\.json)")),
             "limit_s": float(_log_value(p, r"priority step-time cap ([\d.]+) ms")) / 1e3,
             "num_blocks": int(_log_value(p, r"KV cache: (\d+) blocks")),
             "max_model_len": int(_log_value(p, r"max_model_len (\d+)"))})
-    for i, s in enumerate(specs):
-        s["model"] = _calibrate(s["url"], f"/tmp/fleet-twin-r{i}.json")
     return procs, specs
+
+
+def calibrate_through_gateway(specs: list[dict], kind: str, model: str, flow: dict) -> None:
+    """Each replica timed as requests reach it in the fleet: through a gateway (of that
+    replica alone), so its relay and its share of the two cores are in the profile."""
+    for i, s in enumerate(specs):
+        gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
+                       "max_num_seqs": s["max_num_seqs"]}], flow)
+        try:
+            s["model"] = _calibrate(gw.url, f"/tmp/fleet-twin-{kind}-r{i}.json")
+        finally:
+            gw.stop()
 
 
 def vllm_fleet(args) -> tuple[list[Proc], list[dict]]:
     p = Proc(["bash", "scripts/vllm_replica.sh", "serve", "{port}", "--max-num-seqs",
               str(args.max_num_seqs)])
-    model = _calibrate(p.url, "/tmp/fleet-twin-vllm.json")
-    return [p], [{"url": p.url, "model": model, "plan_model": None, "limit_s": None,
+    return [p], [{"url": p.url, "max_num_seqs": args.max_num_seqs,
+                  "plan_model": None, "limit_s": None,
                   "num_blocks": 2 * 2**30 // (16 * KV_BYTES_PER_TOKEN),   # VLLM_KV_GB=2
                   "max_model_len": 2048}]
 
@@ -215,6 +227,7 @@ def run(args) -> None:
         gw = None
         try:
             kind, model = ("tierserve", MODEL) if name == "tierserve" else ("vllm", VLLM_MODEL)
+            calibrate_through_gateway(specs, kind, model, flow_raw)
             gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
                            "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept

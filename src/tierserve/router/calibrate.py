@@ -12,7 +12,7 @@ NOTE: how
       decode batches of rising size,   one step of b decodes at the context reached: each
       at a short and a long context    gap between two chunks of one stream, taken while
                                        all b streams are decoding (after the last one's
-                                       first token, before the first one ends)
+                                       first token; then each hangs up after a few more)
 
     and fits the model in relative error, as the simulator's whole-step model is fitted.
     What the client sees includes the replica's HTTP and detokenizing time, which is what
@@ -44,9 +44,46 @@ def grid(max_len: int, max_num_seqs: int) -> tuple[list[int], list[tuple[int, in
     return prefills, list(dict.fromkeys(decodes))
 
 
+class _Batch:
+    """Streams of one decode cell: when every one has its first token, each reads
+    WINDOW more chunks and hangs up (the replica aborts it), so the cell takes as long
+    as its prefills and a few steps, however many slots and tokens. Where some do not
+    start within SETTLE_S of the last start (a gateway holding lower tiers back for
+    priority), the batch is the ones that did."""
+
+    WINDOW = 10
+    SETTLE_S = 3.0
+
+    def __init__(self, size: int):
+        self.size, self.started, self.all_started = size, 0, asyncio.Event()
+        self.since = 0.0
+        self._last_start = 0.0
+
+    def first_token(self) -> None:
+        self.started += 1
+        self._last_start = time.perf_counter()
+        if self.started == self.size:
+            self._close()
+
+    def _close(self) -> None:
+        self.size, self.since = self.started, time.perf_counter()
+        self.all_started.set()
+
+    def done(self, times: list[float]) -> bool:
+        if not self.all_started.is_set() and self.started \
+                and time.perf_counter() - self._last_start > self.SETTLE_S:
+            self._close()
+        if not self.all_started.is_set():
+            return False
+        if times[0] > self.since:       # started after the batch closed: not part of it
+            return True
+        return sum(t > self.since for t in times) >= self.WINDOW
+
+
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int],
-                  max_tokens: int) -> tuple[float, list[float]]:
-    """(send time, arrival time of each chunk that carries text) of one streamed request."""
+                  max_tokens: int, batch: _Batch | None = None) -> tuple[float, list[float]]:
+    """(send time, arrival time of each chunk that carries text) of one streamed request;
+    in a `batch`, until it has seen its window."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True}
     sent, times = time.perf_counter(), []
@@ -61,11 +98,17 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 times.append(time.perf_counter())
+                if batch is not None:
+                    if len(times) == 1:
+                        batch.first_token()
+                    if batch.done(times):
+                        break
     return sent, times
 
 
 async def _measure(url: str, model: str, prefills: list[int], decodes: list[tuple[int, int]],
-                   repeats: int, vocab: int, say) -> list[tuple[list[tuple[int, int]], float]]:
+                   repeats: int, vocab: int, max_len: int, say
+                   ) -> list[tuple[list[tuple[int, int]], float]]:
     rng = random.Random(0)
 
     def prompt(n: int) -> list[int]:
@@ -81,11 +124,13 @@ async def _measure(url: str, model: str, prefills: list[int], decodes: list[tupl
                 if times:
                     records.append(([(n, n)], times[0] - sent))
             for b, c in decodes:
-                tokens = 24 + b * c // 256            # long enough to overlap every stream
-                runs = await asyncio.gather(*(_stream(client, url, model, prompt(c), tokens)
+                batch = _Batch(b)
+                runs = await asyncio.gather(*(_stream(client, url, model, prompt(c),
+                                                      max_len - c - 1, batch)
                                               for _ in range(b)))
-                start = max(t[0] for _, t in runs if t)
-                end = min(t[-1] for _, t in runs if t)
+                runs = [r for r in runs if r[1] and r[1][0] <= batch.since]
+                start = max(t[0] for _, t in runs)
+                end = min(t[-1] for _, t in runs)
                 gaps = []
                 for _, times in runs:
                     for i in range(1, len(times)):
@@ -95,7 +140,8 @@ async def _measure(url: str, model: str, prefills: list[int], decodes: list[tupl
                     say(f"calibrate: batch {b} at context {c}: streams did not overlap; skipped")
                     continue
                 i = int(statistics.median(g[0] for g in gaps))
-                records.append(([(1, c + i)] * b, statistics.median(g[1] for g in gaps)))
+                records.append(([(1, c + i)] * batch.size,
+                                statistics.median(g[1] for g in gaps)))
             say(f"calibrate: {len(records)} step records from {url}")
     return records
 
@@ -143,7 +189,7 @@ def calibrate_backend(url: str, model: str | None = None, repeats: int = 2,
     say(f"calibrate: {url} serves {info['model']} (max_model_len {info['max_model_len']}, "
         f"{info['max_num_seqs']} slots): prefills {prefills}, decode batches {decodes}")
     records = asyncio.run(_measure(info["url"], info["model"], prefills, decodes,
-                                   repeats, info["vocab"], say))
+                                   repeats, info["vocab"], info["max_model_len"], say))
     model_fit = StepTimeModel.fit(records, relative=True)
     errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
     info.update(records=len(records), median_error=statistics.median(errors))

@@ -117,7 +117,9 @@ class FleetBackend:
                                 for s in specs], flow or FlowConfig())
         self._flow_started: FlowConfig | None = None
         """The gateway's flow config before the first `reconfigure`."""
-        self.max_model_len = None
+        known = [s.max_model_len for s in specs if s.max_model_len]
+        self.max_model_len = min(known) if known else None
+        """The pool's context length: its shortest replica's (None: none said)."""
         self.max_num_seqs = sum(s.max_num_seqs for s in specs)
         self.generation_defaults: dict = {}
         """None here: what a request leaves out is not sent, so each replica applies its

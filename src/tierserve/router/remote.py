@@ -50,6 +50,9 @@ class ReplicaSpec:
     plugin: bool | None = None
     """kind vllm: runs tierserve's scheduler plugin (None: ask the replica)."""
     name: str = ""
+    max_model_len: int | None = None
+    """Its context length: from the config, else its model card at start (`discover`;
+    vLLM's and tierserve's cards say it); None where neither says."""
 
     @property
     def auth_headers(self) -> dict[str, str]:
@@ -63,8 +66,12 @@ class ReplicaSpec:
         if self.kind is not None and self.kind not in KINDS:
             raise ConfigError(f"backend {self.url}: kind must be one of {', '.join(KINDS)}, "
                               f"got {self.kind!r}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ConfigError(f"backend {self.url}: max_num_seqs must be >= 1")
+        for name in ("max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ConfigError(f"backend {self.url}: {name} must be an integer >= 1, "
+                                  f"got {value!r}")
         if self.price_per_hour is not None and self.price_per_hour < 0:
             raise ConfigError(f"backend {self.url}: price_per_hour must be >= 0")
 
@@ -121,6 +128,10 @@ def discover(spec: ReplicaSpec, timeout_s: float = 3.0) -> str:
     learned = not spec.models
     if learned:  # a tierserve replica's route aliases are its own business, not models
         spec.models = [m["id"] for m in cards if "routes_to" not in m]
+    first = next((c for c in cards if c["id"] == (spec.models or [None])[0]), None)
+    if spec.max_model_len is None and first is not None \
+            and isinstance(first.get("max_model_len"), int):
+        spec.max_model_len = first["max_model_len"]
     said = None
     if spec.max_num_seqs is None:
         said = _slots_of(spec, cards, httpx, timeout_s)
