@@ -18,26 +18,17 @@ taken, then one summary line with the config and the ratios.
 import argparse
 import glob
 import os
-import platform
 import re
 import statistics
 import sys
 import time
 
+from tierserve.engine.calibrate import cpu_model
 from tierserve.engine.llm_engine import LLMEngine
 from tierserve.llm import engine_config
 from tierserve.sampling_params import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def prompts() -> list[tuple[str, str]]:
@@ -128,7 +119,7 @@ def main(argv=None) -> int:
                   flush=True)
     ratios = " ".join(f"x{s}={results[(s, True)]['tok_s'] / results[(s, False)]['tok_s']:.2f}"
                       for s in streams)
-    print(f"speculative cpu={cpu_name()!r} dtype={args.dtype} quantization={args.quantization} "
+    print(f"speculative cpu={cpu_model()!r} dtype={args.dtype} quantization={args.quantization} "
           f"max_tokens={args.max_tokens} temperature={args.temperature} kinds={args.kinds} "
           f"spec={args.spec} tok_s_ratio {ratios}")
     return 0

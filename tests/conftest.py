@@ -18,15 +18,17 @@ os.environ["TIERSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="tierserve-test-cach
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                    chunked=True, prefix_caching=True, max_model_len=1024, policy="fcfs",
-                   step_time_model=None, step_time_limit_s=None, **tier_options) -> Scheduler:
-    """`tier_options`: more SchedulerConfig fields (reserves, aging, flex wait limit)."""
+                   step_time_model=None, step_time_limit_s=None, speculative=None,
+                   **tier_options) -> Scheduler:
+    """`tier_options`: more SchedulerConfig fields (reserves, aging, flex wait limit);
+    `speculative`: a SpeculativeConfig (drafts by prompt lookup)."""
     bm = BlockManager(num_blocks, block_size, prefix_caching, evict_by_tier=policy == "tiered")
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens,
                           enable_chunked_prefill=chunked, policy=policy, **tier_options)
     cfg.validate()
     return Scheduler(cfg, bm, max_model_len, step_time_model=step_time_model,
-                     step_time_limit_s=step_time_limit_s)
+                     step_time_limit_s=step_time_limit_s, speculative=speculative)
 
 
 def make_requests(n, prompt_len=10, max_tokens=5, start=0, arrival_step=1.0, prompts=None,

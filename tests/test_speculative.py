@@ -115,19 +115,15 @@ def test_speculation_changes_no_output_and_keeps_the_invariants(prompts, max_tok
     kw = dict(num_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=72, prefix_caching=False)
     plain, _ = run(make_scheduler(**kw), requests_of(prompts, max_tokens))
-    sched = make_scheduler(**kw)
-    sched.speculative, sched.proposer = spec, NgramProposer(spec)
-    sched._spec_tiers = {Tier.DEFAULT}
+    sched = make_scheduler(speculative=spec, **kw)
     fast, _ = run(sched, requests_of(prompts, max_tokens))
     assert fast == plain
     assert sum(sched.num_accepted_tokens.values()) <= sum(sched.num_draft_tokens.values())
 
 
 def speculating(spec: SpeculativeConfig, **kw) -> Scheduler:
-    sched = make_scheduler(prefix_caching=False, **kw)   # the toy runner has no prefix cache
-    sched.speculative, sched.proposer = spec, NgramProposer(spec)
-    sched._spec_tiers = {Tier.parse(t) for t in spec.tiers}
-    return sched
+    """A speculating scheduler without a prefix cache (the toy runner has none)."""
+    return make_scheduler(prefix_caching=False, speculative=spec, **kw)
 
 
 def test_a_copying_answer_takes_fewer_steps_and_only_listed_tiers_speculate():

@@ -6,9 +6,9 @@ NOTE: how
     last, the tokens that followed then are the draft. Answers that copy from their
     prompt (a summary that quotes, a code edit, an extraction) draft well; free prose
     finds no match and costs nothing.
-    The step computes the newest token and the draft together (one chunk of 1 + k
-    tokens, as a prefill chunk is computed), samples every position, and keeps the
-    tokens up to and including the first one that differs from the draft
+    The step computes the newest token and the draft together (1 + k positions, each a
+    decode query of the paged kernel), samples every position, and keeps the tokens up
+    to and including the first one that differs from the draft
     (worker/model_runner.py). Each kept token was sampled from the model's own
     distribution at its position, with the request's own generator, one draw per kept
     token, so the output is the one the request gets without speculation (exactly, up

@@ -122,7 +122,7 @@ def cache_path(engine) -> Path:
     except (OSError, TypeError):
         size = None
     key = json.dumps([
-        _cpu_model(), torch.get_num_threads(), torch.__version__, platform.machine(),
+        cpu_model(), torch.get_num_threads(), torch.__version__, platform.machine(),
         hashlib.sha256((cpu_attention.SOURCE + cpu_quant.SOURCE + cpu_step.SOURCE)
                        .encode()).hexdigest()[:16],
         engine.runner.lean is not None, kernels.load() is not None,
@@ -161,7 +161,8 @@ def calibrate_cached(engine, say) -> StepTimeModel:
     return model
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -155,8 +155,6 @@ VOCAB = 32000
 def discover_info(url: str, model: str | None) -> dict:
     """What the grid needs of the replica: the model to ask for, its context length and
     its slots (remote.discover's sources), or a ConfigError naming what is missing."""
-    import httpx
-
     from tierserve.router.remote import ReplicaSpec, discover
 
     spec = ReplicaSpec(url.rstrip("/"), models=[model] if model else [])
@@ -164,16 +162,12 @@ def discover_info(url: str, model: str | None) -> dict:
     line = discover(spec)
     if not spec.models:
         raise ConfigError(f"calibrate --backend: {line}")
-    try:
-        cards = httpx.get(spec.url + "/v1/models", timeout=5).json()["data"]
-        card = next(c for c in cards if c.get("id") == spec.models[0])
-        max_len = int(card["max_model_len"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, StopIteration):
+    if spec.max_model_len is None:
         raise ConfigError(f"calibrate --backend: {spec.url}/v1/models gives no max_model_len "
-                          f"for {spec.models[0]!r}") from None
+                          f"for {spec.models[0]!r}")
     slots = min(spec.max_num_seqs or MAX_GRID_SEQS, MAX_GRID_SEQS)
     return {"url": spec.url, "model": spec.models[0], "kind": spec.kind,
-            "max_model_len": max_len, "max_num_seqs": slots, "vocab": VOCAB}
+            "max_model_len": spec.max_model_len, "max_num_seqs": slots, "vocab": VOCAB}
 
 
 def calibrate_backend(url: str, model: str | None = None, repeats: int = 2,

@@ -86,8 +86,8 @@ class ModelRunner:
             rows.append(row)
             row += 1 + s.num_draft
         plain = [i for i, s in enumerate(sampled) if not s.num_draft]
-        if plain:
-            tokens = sample(logits[[rows[i] for i in plain]],
+        if plain:   # (no speculating decode: the rows are the logits, not copied)
+            tokens = sample(logits if len(plain) == row else logits[[rows[i] for i in plain]],
                             [self.states[sampled[i].request_id] for i in plain],
                             [sampled[i].num_output_tokens for i in plain])
             out.sampled_token_ids = {sampled[i].request_id: t for i, t in zip(plain, tokens)}
