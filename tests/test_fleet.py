@@ -302,3 +302,97 @@ def test_a_gateway_learns_what_a_replica_given_by_its_v1_base_url_serves(replica
         assert gw.backend.cost_checks  # billed at the replica's exact figure
     finally:
         gw.stop()
+
+
+def _recorder(gateway):
+    """Spy on a flow Gateway: each arrival as it saw it (instant, request id, tier,
+    prompt tokens, max tokens) and the replica index each request was sent to first."""
+    arrivals, sent = [], {}
+    submit, send = gateway.submit, gateway.sent
+    names = [r.name for r in gateway.replicas]
+
+    def on_submit(p):
+        arrivals.append((p.arrival, p.request_id, p.tier.label, p.prompt_tokens, p.max_tokens))
+        submit(p)
+
+    def on_sent(p, replica, now):
+        sent.setdefault(p.request_id, names.index(replica.name))
+        send(p, replica, now)
+    gateway.submit, gateway.sent = on_submit, on_sent
+    return arrivals, sent
+
+
+def test_the_fleet_twin_routes_a_recorded_arrival_sequence_as_the_gateway_did(replicas):
+    """The real gateway over the two replicas takes a sequence of arrivals: prompts of
+    token ids in four prefix groups, spaced out and in bursts, in three tiers. What it saw
+    is recorded (each arrival's instant, tier, prompt; where it sent each request), and
+    the simulator's gateway (`sim --router gateway`: router/flow.py over twins with the
+    replicas' step-time profile) replays the recording: every request goes to the same
+    replica. The sequence is laid out so that each decision is far from a timing
+    boundary (a burst arrives within a prefill; a request arriving beside a long one finds
+    it decoding), so the twin's step times need not be exact for the check to hold."""
+    from tierserve.config import SchedulerConfig
+    from tierserve.model.shapes import preset
+    from tierserve.server.serve import DEFAULT_CPU_PROFILE
+    from tierserve.sim.fleet import FleetConfig, machine_for, make_simulator, \
+        step_time_limit
+    from tierserve.sim.workload import SimRequest
+
+    groups = [[1000 + 500 * g + j for j in range(192)] for g in range(4)]  # 3 prefix blocks
+    serial = iter(range(10_000))
+
+    def prompt(g, n):  # a group's prefix, then tokens no other prompt has; unique length
+        k = next(serial)
+        return groups[g] + [20_000 + 97 * k + j for j in range(n + k)]
+    plan = []  # (seconds after the previous send, group, tier, suffix tokens, max tokens)
+    for g, tier in ((0, "default"), (1, "default"), (2, "priority"), (3, "flex")):
+        plan.append((1.0, g, tier, 40, 8))       # spaced: each alone on the fleet
+    for g, tier in ((2, "default"), (0, "priority"), (3, "default"), (1, "flex")):
+        plan.append((1.0, g, tier, 40, 8))       # again: each to where its prefix is
+    plan.append((1.0, 0, "default", 200, 8))     # a burst of one group within a prefill:
+    plan += [(0.005, 0, "default", 200, 8)] * 3  # the queued prefill outweighs the prefix
+    plan.append((3.0, 1, "default", 40, 100))    # a long one, then beside it as it
+    plan.append((0.8, 1, "priority", 40, 8))     # decodes: its prefix outweighs one decode
+    plan.append((0.05, 2, "default", 40, 8))
+    ledger = {}
+    flow = FlowConfig(priority_ttft_s=1.0, priority_tpot_s=0.15)
+    gw = Gateway([r.spec() for r in replicas], flow=flow)
+    arrivals, sent = _recorder(gw.backend.gateway)
+
+    def send(item):
+        tokens, tier, max_tokens = item
+        r = httpx.post(gw.url + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "service_tier": tier})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["completion_tokens"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            futures = []
+            for gap, g, tier, n, max_tokens in plan:
+                time.sleep(gap)
+                tokens = prompt(g, n)
+                ledger[len(tokens)] = tokens
+                futures.append(pool.submit(send, (tokens, tier, max_tokens)))
+            assert [f.result() for f in futures] == [p[4] for p in plan]
+    finally:
+        gw.stop()
+    assert len(arrivals) == len(plan) and len(sent) == len(plan)
+    t0 = arrivals[0][0]
+    trace = [SimRequest(t - t0, tier, n, m, prompt_ids=tuple(ledger[n]))
+             for t, _, tier, n, m in arrivals]
+    real = [sent[rid] for _, rid, *_ in arrivals]
+    machine = machine_for(preset("smollm2-135m"), step_time_profile=DEFAULT_CPU_PROFILE,
+                          num_kv_blocks=700)
+    sim = make_simulator(machine, SchedulerConfig(max_num_seqs=16), FleetConfig(
+        replicas=2, router="gateway", reserved_priority_seqs=flow.reserved_priority_seqs),
+        step_time_limit(machine.model, {}),  # each replica's own cap, as `serve` sets it
+        slo={"priority": (flow.priority_ttft_s, flow.priority_tpot_s)})
+    twin_arrivals, twin_sent = _recorder(sim.gateway)
+    result = sim.run(trace)
+    assert len(result.requests) == len(plan)
+    twin = [twin_sent[rid] for _, rid, *_ in twin_arrivals]
+    assert twin == real, (twin, real)
+    # and the sequence tested what it says: prefixes followed, a burst spread
+    assert len(set(real[:4])) == 2 and len(set(real[8:12])) == 2
+    assert real[4:8] == [real[2], real[0], real[3], real[1]]

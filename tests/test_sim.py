@@ -1,9 +1,12 @@
 """The simulator: determinism, the same decisions as the engine, costs that add up."""
 
+from collections import Counter
+
 import pytest
 
 from conftest import get_engine
 from tierserve.config import SchedulerConfig
+from tierserve.core.clock import Clock
 from tierserve.core.step_time import StepTimeModel
 from tierserve.errors import ConfigError
 from tierserve.model.shapes import preset
@@ -112,3 +115,102 @@ def test_a_cap_below_one_step_idles_until_the_guard_runs_out_as_the_engine_would
     by_tier = {r.tier.label: r for r in result.requests}
     assert by_tier["default"].finish_reason == "length"
     assert by_tier["default"].first_scheduled_time > by_tier["priority"].finished_time + 10
+
+
+def _trace(seed: int = 34) -> list[SimRequest]:
+    """Arrivals over 0.4 s in three tiers; two default tenants of weight 3 and 1 arrive in
+    bursts (their fair shares decide the order); half the prompts share a 48-token
+    prefix (three KV blocks: prefix-cache hits on both sides)."""
+    import random
+    rng = random.Random(seed)
+    shared = tuple(2000 + j for j in range(48))
+    out, t = [], 0.0
+    for i in range(28):
+        t += rng.expovariate(70.0)
+        tier = rng.choice(["priority", "default", "default", "default", "flex"])
+        tenant = rng.choice(["heavy", "light"]) if tier == "default" else ""
+        n = rng.randint(20, 140)
+        own = tuple(5000 + 300 * i + j for j in range(n))
+        prompt = (shared + own) if rng.random() < 0.5 else own
+        out.append(SimRequest(round(t, 4), tier, len(prompt), rng.randint(3, 24),
+                              prompt_ids=prompt, tenant=tenant,
+                              weight=3.0 if tenant == "heavy" else 1.0))
+    return out
+
+
+def test_the_twin_makes_the_engines_decisions_under_both_caps_with_tenants(tmp_path):
+    """A trace of arrivals over time through the real engine and through the simulator,
+    with the tiered policy's priority cap and decode cap on, two tenants sharing the
+    default tier by weight, a flex wait short enough to refuse some, and prefix caching.
+    The engine's clock moves by the step-time model's prediction for each step it runs
+    (so what it measures is what the twin predicts): then every step schedules the same
+    requests for the same token counts, and every request gets its first token and ends
+    at the same instants, in the same way (served tier, reason, cached tokens)."""
+    from tierserve.core.clock import ManualClock
+    from tierserve.core.request import Owner
+
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.0002, per_token_s=0.0002,
+                          per_kv_token_s=1e-6)
+    profile = tmp_path / "profile.json"
+    model.save(profile)
+    limit = 0.016  # the priority cap: ~30 prompt tokens beside a decode; the decode cap 2.5x
+    engine = get_engine(max_num_seqs=6, max_num_batched_tokens=256, flex_max_wait_s=0.15,
+                        priority_step_time_s=limit, step_time_profile=str(profile))
+    assert engine.scheduler.decode_time_limit_s == pytest.approx(2.5 * limit)
+    trace = _trace()
+    clock, real_steps, stats = ManualClock(), [], {}
+    execute, engine.clock = engine.runner.execute, clock
+
+    def timed(out):  # the model runs; time passes as the twin would predict
+        result = execute(out)
+        real_steps.append([(int(s.request_id[4:]), len(s.token_ids)) for s in out.seqs])
+        seqs = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in out.seqs]
+        clock.advance(out.predicted_s if out.predicted_s is not None else model.predict_s(seqs))
+        return result
+    engine.runner.execute = timed
+    try:
+        waiting = list(enumerate(trace))
+        while waiting or engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() and waiting[0][1].arrival_s > clock.now():
+                clock.set(waiting[0][1].arrival_s)  # idle until the next arrival
+            while waiting and waiting[0][1].arrival_s <= clock.now():
+                i, r = waiting.pop(0)
+                engine.add_request(f"sim-{i}", list(r.prompt_ids), SamplingParams(
+                    max_tokens=r.output_tokens, ignore_eos=True, temperature=0),
+                    arrival_time=r.arrival_s, tier=r.tier,
+                    owner=Owner(r.tenant, r.weight) if r.tenant else None)
+            steps_before = len(real_steps)
+            for out in engine.step():
+                if out.finished:
+                    stats[out.request_id] = out.metrics
+            if len(real_steps) == steps_before and engine.has_unfinished_requests():
+                # nothing ran: as the twin, wait for the next arrival (or the guard)
+                clock.set(waiting[0][1].arrival_s if waiting else
+                          clock.now() + engine.scheduler.config.priority_guard_s + 1e-6)
+    finally:
+        del engine.runner.execute
+        engine.clock = Clock()
+    cfg = SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=256, flex_max_wait_s=0.15)
+    sim = Simulator(cfg, engine.block_manager.num_blocks, engine.block_manager.block_size,
+                    engine.max_model_len, model, 3.6, step_time_limit_s=limit)
+    simulated = []
+    original = sim.scheduler.schedule
+
+    def spy(now=0.0):
+        out = original(now)
+        if out.seqs:
+            simulated.append([(int(s.request_id[4:]), len(s.token_ids)) for s in out.seqs])
+        return out
+    sim.scheduler.schedule = spy
+    result = sim.run(trace)
+    assert simulated == real_steps
+    twin = {r.request_id: r for r in result.requests}
+    assert twin.keys() == stats.keys() and len(twin) == len(trace)
+
+    def fate(r):
+        return (r.billed_tier.label, r.finish_reason, r.num_output_tokens, r.num_cached_tokens,
+                r.num_preemptions, r.first_token_time, r.finished_time)
+    assert {k: fate(r) for k, r in twin.items()} == {k: fate(r) for k, r in stats.items()}
+    reasons = Counter(r.finish_reason for r in twin.values())
+    assert reasons["refused"] > 0 and reasons["length"] > 0  # the trace exercises both
+    assert any(r.num_cached_tokens for r in twin.values())

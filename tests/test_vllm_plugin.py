@@ -235,14 +235,24 @@ def test_a_priority_request_takes_a_lower_tiers_slot_at_once(replicas):
     for s in longs:
         s.join(120)
     engine = _costs(url, "fast", *(f"long{i}" for i in range(4)))
-    assert fast.reason == "length" and fast.first < 1.5, fast.first
-    assert engine["fast"]["ttft_s"] < 0.5, engine["fast"]  # inside the engine core
+    assert fast.reason == "length"
+    _assert_started_at_once(fast, engine["fast"], min(s.start_at + s.done_at for s in longs))
     assert min(s.done_at for s in longs) > fast.done_at + 0.5  # the slots stayed binding
     preempted = [i for i in range(4) if engine[f"long{i}"]["preemptions"] > 0]
     assert preempted, engine
     for i in range(4):
         assert longs[i].reason == "length" and engine[f"long{i}"]["output_tokens"] == 120
         assert _count(url, longs[i].text) >= 100  # the stream carried the whole answer
+
+
+def _assert_started_at_once(fast: "_Stream", record: dict, slot_free_at: float) -> None:
+    """A priority request that found every slot taken started at once: its first token
+    within 0.5 s inside the engine core, and at the client before any slot freed
+    (`slot_free_at`, a perf_counter time). The client's time is not held to 0.5 s: it
+    adds vLLM's API server and this test's threads, which share the two cores with the
+    engine (a CI run saw 1.9 s there once)."""
+    assert record["ttft_s"] < 0.5, (record, fast.first)  # inside the engine core
+    assert fast.start_at + fast.first < slot_free_at, (fast.first, record)
 
 
 def _count(url: str, text: str) -> int:
@@ -276,11 +286,13 @@ def test_tiers_go_in_order_and_flex_is_refused_past_its_wait(replicas):
     fast = _Stream(url, "Priority: say hi", "priority", 8, "prio")
     waiter.join(120)
     fast.join(60)
+    released_at = time.perf_counter()  # no slot frees before the long ones' clients go
     for s in longs:
         s.stop.set()
     for s in (default, *longs):
         s.join(120)
-    assert fast.reason == "length" and fast.first < 1.5, fast.first
+    assert fast.reason == "length"
+    _assert_started_at_once(fast, _costs(url, "prio")["prio"], released_at)
     choice = flex["body"]["choices"][0]
     assert choice["finish_reason"] == "abort" and choice["text"] == "" and 1.8 < flex["s"] < 10
     assert flex["body"]["usage"]["completion_tokens"] == 0

@@ -32,7 +32,7 @@ from tierserve.core.accounting import Accounting
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.clock import ManualClock
 from tierserve.core.engine_core import EngineCore
-from tierserve.core.request import Request
+from tierserve.core.request import NO_OWNER, Owner, Request
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from tierserve.core.stats import RequestStats
 from tierserve.core.step_time import StepTimeModel
@@ -240,18 +240,26 @@ class Simulator:
         i = next(self._ids)
         rid = f"sim-{i}"
         max_len = self.replicas[0].max_model_len
-        prompt_len = max(1, min(req.prompt_tokens, max_len - 1))
+        if req.prompt_ids:
+            prompt = list(req.prompt_ids[:max_len - 1])
+            prompt_len = len(prompt)
+        else:
+            prompt_len = max(1, min(req.prompt_tokens, max_len - 1))
+            prefix = min(req.shared_prefix, prompt_len - 1)
+            # A unique token right after the shared prefix: no accidental prefix-cache hits.
+            prompt = (list(range(10, 10 + prefix)) + [100_000 + i]
+                      + [5] * (prompt_len - prefix - 1))
         output = max(1, min(req.output_tokens, max_len - prompt_len))
-        prefix = min(req.shared_prefix, prompt_len - 1)
-        # A unique token right after the shared prefix: no accidental prefix-cache hits.
-        prompt = list(range(10, 10 + prefix)) + [100_000 + i] + [5] * (prompt_len - prefix - 1)
         now = self.clock.now()
         asked = Tier.parse(req.tier)
-        request = Request(rid, prompt, output, arrival_time=now, ignore_eos=True, tier=asked)
+        owner = Owner(req.tenant, req.weight) if req.tenant else NO_OWNER
+        request = Request(rid, prompt, output, arrival_time=now, ignore_eos=True, tier=asked,
+                          owner=owner)
         if user is not None:
             self._user_of[rid] = user
         if self.gateway is not None:
-            pending = Pending(rid, asked, prompt_len, output, now, prefix_keys(prompt))
+            pending = Pending(rid, asked, prompt_len, output, now, prefix_keys(prompt),
+                              tenant=owner.tenant, weight=owner.weight)
             self._held[rid] = (request, asked, pending)
             self.gateway.submit(pending)
             self._changed = True

@@ -35,6 +35,12 @@ class SimRequest:
     output_tokens: int
     shared_prefix: int = 0
     """Leading prompt tokens shared by every request (a system prompt)."""
+    prompt_ids: tuple[int, ...] | None = None
+    """The prompt itself (a recorded request replayed: its prefixes are shared with the
+    requests it really shares them with); None: made up from the lengths above."""
+    tenant: str = ""
+    """Whose request: tenants share a tier by `weight` (core/fair.py), as in the engine."""
+    weight: float = 1.0
 
 
 @dataclass
