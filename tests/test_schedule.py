@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tierserve.cli import main
 from tierserve.core.step_time import StepTimeModel
+from tierserve.core.tier_rules import SLO_CAP_SHARE
 from tierserve.errors import ConfigError
 from tierserve.model.shapes import preset
 from tierserve.sim.fleet import Machine
@@ -123,7 +124,8 @@ def test_plan_forecast_writes_a_schedule_the_loader_reads(tmp_path, capsys):
     assert max(needs) > min(needs)  # the day's peak needs more than its night
     assert any(h.batch for h in s.hours) and not s.hours[10].batch  # batch in the troughs
     assert all(h.batch_rate > 0 for h in s.hours if h.batch)
-    assert all(h.priority_step_time_s == 0.05 for h in s.hours)
+    cap = SLO_CAP_SHARE * 0.05  # the priority TPOT target sets the cap, as in the engine
+    assert all(h.priority_step_time_s == pytest.approx(cap) for h in s.hours)
     # and `sim --schedule` replays it beside the static fleets
     assert main(["sim", "--schedule", str(out), "--workload", "weekly:peak=40,swing=6,"
                  "batch=2000,noise=0,days=1", "--window-s", "1"]) == 0

@@ -117,7 +117,7 @@ class SchedulerConfig:
     priority_step_time_s: float | None = None
     """tiered: while priority requests are in the engine (and `priority_guard_s` after),
     steps are cut to this predicted time. None:
-    the priority tier's TPOT SLO if set, else 3x a calibrated one-sequence decode step;
+    0.9 x the priority tier's TPOT SLO if set, else 3x a calibrated one-sequence decode step;
     0 turns the cap off."""
     decode_step_time_s: float | None = None
     """tiered: steps that carry decodes (of any tier) are cut to this predicted time, so
@@ -171,7 +171,7 @@ class SchedulerConfig:
 class TierConfig:
     slo: dict[str, SLO] = field(default_factory=dict)
     """Per-tier latency targets, reported as SLO attainment (and the priority TPOT target
-    sets the step-time cap unless priority_step_time_s does)."""
+    sets the step-time cap, at 0.9 of it, unless priority_step_time_s does)."""
     step_time_profile: str | None = None
     """JSON from `tierserve calibrate`; None: the tiered policy calibrates at startup."""
     deployment: str = "shared"

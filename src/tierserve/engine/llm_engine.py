@@ -14,6 +14,7 @@ from tierserve.core.outputs import CompletionOutput, RequestOutput
 from tierserve.core.request import NO_OWNER, Owner, Request, RequestStatus
 from tierserve.core.stats import Metering, RequestStats, StatSink
 from tierserve.core.step_time import StepTimeModel
+from tierserve.core.tier_rules import priority_cap_s
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.errors import ConfigError, ContextLengthError, InvalidRequestError
 from tierserve.sampling_params import SamplingParams
@@ -105,20 +106,23 @@ class LLMEngine:
             f"max_model_len {self.max_model_len}")
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self._last_end: float | None = None
+        """The last step's end while the engine steps back to back (see `step`)."""
         if self.core.policy.tiered and config.scheduler.priority_step_time_s != 0:
             self._set_step_time_cap(say)
 
     def _set_step_time_cap(self, say) -> None:
         """The tiered policy's cap: a step-time model (from a profile, or this machine's
-        cached calibration, or calibrated now)
-        and the limit (explicit, else the priority TPOT SLO, else 3x a lone decode step)."""
+        cached calibration, or calibrated now) and the limit (core/tier_rules.py's
+        priority_cap_s: explicit, else 0.9 of the priority TPOT SLO, else 3x a lone
+        decode step)."""
         from tierserve.engine.calibrate import calibrate_cached
 
         profile = self.config.tiers.step_time_profile
         model = StepTimeModel.load(profile) if profile else calibrate_cached(self, say)
         slo = self.config.tiers.slo.get("priority")
-        limit = (self.config.scheduler.priority_step_time_s or (slo and slo.tpot_s)
-                 or 3 * model.predict_s([(1, 256)]))
+        limit = priority_cap_s(model, slo and slo.tpot_s,
+                               self.config.scheduler.priority_step_time_s or None)
         self.scheduler.step_time_model = model
         self.scheduler.step_time_limit_s = limit
         say(f"priority step-time cap {limit * 1e3:.1f} ms (a lone decode step: "
@@ -240,22 +244,36 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """Plan, run and book one step; each request it touched as an output.
+
+        NOTE: what the step-time cap is corrected by
+            A token's wait is the time from the previous step's end (when its tokens were
+            stamped) to this one's: the previous step's outputs (detokenizing, building
+            them), whatever the caller did between steps (a server's HTTP work), then this
+            step's plan and forward pass. So when the engine steps back to back, that
+            whole interval is the step's measured time; after an idle spell, from the
+            start of this call. (Measured from this call alone, the cap's correction
+            missed 2-4% per step and a priority TPOT target equal to the cap was missed by
+            most requests under load: docs/benchmarks.md, the plan check.)"""
         begin = self.clock.now()
         scheduled, refused = self.core.plan(begin)
         outputs = [self._output(self._tracked[r.request_id], begin) for r in refused]
         if scheduled.is_empty:
+            self._last_end = None
             return outputs
         start = self.clock.now()
         self.core.begin(start)
         result = self.runner.execute(scheduled)
         end = self.clock.now()
-        touched = self.core.apply(scheduled, result, start, end,
-                                  measured_s=end - begin)  # the whole step, as a token waits
+        since = begin if self._last_end is None else self._last_end
+        touched = self.core.apply(scheduled, result, start, end, measured_s=end - since)
         for rid, entry in result.logprobs.items():
             tracked = self._tracked.get(rid)
             if tracked is not None:
                 tracked.logprobs.append(entry)
-        return outputs + [self._output(self._tracked[r.request_id], end) for r in touched]
+        outputs += [self._output(self._tracked[r.request_id], end) for r in touched]
+        self._last_end = end if self.has_unfinished_requests() else None
+        return outputs
 
     def _output(self, tracked: _Tracked, now: float) -> RequestOutput:
         request, stats, detok = tracked.request, tracked.stats, tracked.detokenizer

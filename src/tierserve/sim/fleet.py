@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.step_time import StepTimeModel
+from tierserve.core.tier_rules import priority_cap_s
 from tierserve.errors import ConfigError
 from tierserve.router.flow import FlowConfig
 from tierserve.sim.loop import Replica, Simulator
@@ -78,11 +79,9 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
 
 
 def step_time_limit(model: StepTimeModel, slo: dict, override: float | None = None) -> float:
-    """The tiered step-time cap: `override`, else the priority TPOT SLO, else 3x a lone
-    decode step. 0: no cap."""
-    if override is not None:
-        return override
-    return (slo.get("priority") or (None, None))[1] or 3 * model.predict_s([(1, 256)])
+    """The tiered step-time cap, by the engine's rule (core/tier_rules.priority_cap_s):
+    `override`, else 0.9 of the priority TPOT SLO, else 3x a lone decode step. 0: no cap."""
+    return priority_cap_s(model, (slo.get("priority") or (None, None))[1], override)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,164 @@
+"""A plan checked against a real run (issue 34, item 3): `tierserve plan` on this machine's
+calibration recommends a configuration for a workload and SLOs; the engine then runs that
+configuration on the same arrivals, and both are summarized by the same report code.
+
+    python benchmarks/plan_check.py [--rate 1.0] [--requests 80] [--cells best|all]
+
+1. Calibrate: an engine of the default model (`--quantization`, as `make serve` runs it)
+   fits a whole-step model on the calibration grid (what `tierserve plan
+   --step-time-profile` takes: hardware `cpu-local`, priced at `--price-per-hour`).
+2. Plan: the planner searches max_num_seqs x max_num_batched_tokens on one replica (this
+   machine) for the open-loop workload of benchmarks/tiers.py (Poisson arrivals at
+   `--rate`, 20% priority chats, 30% flex, the rest default work, a shared system
+   prompt) and the SLOs; the cheapest configuration that meets them is the plan.
+3. Run: a fresh engine with that configuration (its priority TPOT target as the tiered
+   cap, as the planner's simulation has it) serves the same arrivals in real time, its
+   cost meter priced like the plan's. `sim.report.summarize` reads both runs.
+
+Prints, per configuration run, predicted and measured SLO attainment per tier (points
+apart) and machine cost per 1K output tokens (relative error), then one summary line.
+The run is the in-process engine: the time an HTTP server adds is not in either side.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+from tierserve.core.stats import StatsCollector
+
+SLO_DEFAULT = "priority=0.5,0.05;default=4,0.15"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
+    p.add_argument("--requests", type=int, default=80)
+    p.add_argument("--slo", default=SLO_DEFAULT,
+                   help="TIER=TTFT_S,TPOT_S;... (default %(default)s)")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", default="4,8,16,32", help="the grid (comma-separated)")
+    p.add_argument("--max-num-batched-tokens", default="256,512")
+    p.add_argument("--quantization", default="gguf", help="as `make serve` (none: bf16)")
+    p.add_argument("--price-per-hour", type=float, default=3.6)
+    p.add_argument("--cells", choices=("best", "all"), default="best",
+                   help="run the plan only, or every configuration of the grid")
+    p.add_argument("--bench-seed", type=int, default=34)
+
+
+def parse_slo(text: str) -> dict:
+    out = {}
+    for part in filter(None, text.split(";")):
+        tier, _, targets = part.partition("=")
+        ttft, tpot = (float(v) if v else None for v in targets.split(","))
+        out[tier.strip()] = (ttft, tpot)
+    return out
+
+
+def calibrate_profile(quantization: str | None, path: str) -> None:
+    from tierserve.engine.calibrate import calibrate
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.llm import engine_config
+
+    engine = LLMEngine(engine_config(quantization=quantization, priority_step_time_s=0))
+    calibrate(engine, whole_step=True).save(path, source="plan_check whole-step calibration")
+
+
+def run_real(cell, slo: dict, arrivals, quantization, price: float, model):
+    """The configuration `cell` on the engine, the arrivals in real time: a SimResult, so
+    the planner's own summary reads it."""
+    from tierserve.bench.tiers import run_open_loop
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.llm import engine_config
+    from tierserve.metering.cost import CostMeter
+    from tierserve.sim.loop import SimResult
+
+    engine = LLMEngine(engine_config(
+        quantization=quantization, max_num_seqs=cell.max_num_seqs,
+        max_num_batched_tokens=cell.max_num_batched_tokens,
+        slo={t: {"ttft_s": a, "tpot_s": b} for t, (a, b) in slo.items()}))
+    meter = CostMeter(price, work_model=model)
+    engine.set_metering(meter)
+    collector = StatsCollector()
+    engine.add_sink(collector)
+    start = time.perf_counter()
+    run_open_loop(engine, arrivals)
+    meter.close_window(engine.clock.now())
+    reqs, steps, sched = collector.requests, collector.steps, engine.scheduler
+    makespan = max(r.finished_time for r in reqs) - min(r.arrival_time for r in reqs)
+    return SimResult(reqs, makespan, sum(s.duration_s for s in steps), len(steps),
+                     dict(sched.preemptions_by_tier), dict(sched.recomputed_tokens_by_tier),
+                     sum(s.kv_usage for s in steps) / max(len(steps), 1),
+                     meter), time.perf_counter() - start
+
+
+def run(args) -> None:
+    from tierserve.bench.tiers import make_workload
+    from tierserve.core.step_time import StepTimeModel
+    from tierserve.engine.calibrate import cpu_model
+    from tierserve.model.shapes import preset
+    from tierserve.sim.plan import Cell, Planner
+    from tierserve.sim.report import summarize
+    from tierserve.sim.workload import SimRequest
+
+    quantization = None if args.quantization == "none" else args.quantization
+    slo = parse_slo(args.slo)
+    arrivals = make_workload(args.rate, args.requests, args.bench_seed, 0.2, 0.3)
+    workload = [SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
+                           prompt_ids=tuple(a.prompt)) for a in arrivals]
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = os.path.join(tmp, "profile.json")
+        calibrate_profile(quantization, profile)
+        model = StepTimeModel.load(profile)
+        planner = Planner(preset("smollm2-135m"), slo, args.attainment,
+                          step_time_profile=profile, price_per_hour=args.price_per_hour,
+                          seed=args.bench_seed)
+        seqs = [int(v) for v in args.max_num_seqs.split(",")]
+        budgets = [int(v) for v in args.max_num_batched_tokens.split(",")]
+        fits = planner.search(workload, ["cpu-local"], ["shared"], seqs, budgets, 1)
+        best = fits[0]
+        cells = [best.cell] if args.cells == "best" else \
+            [Cell("cpu-local", "shared", s, b) for s in seqs for b in budgets]
+        worst_points, cost_errors = [], []
+        for cell in cells:
+            predicted = planner.simulate(cell, 1, workload, slo)
+            measured_result, wall = run_real(cell, slo, arrivals, quantization,
+                                             args.price_per_hour, model)
+            measured = summarize(measured_result, slo)
+            parts = []
+            for tier in slo:
+                p = predicted["tiers"].get(tier, {}).get("slo_attainment")
+                m = measured["tiers"].get(tier, {}).get("slo_attainment")
+                if p is None or m is None:
+                    continue
+                worst_points.append(abs(p - m) * 100)
+                pt, mt = predicted["tiers"][tier], measured["tiers"][tier]
+                parts.append(f"{tier} attainment predicted {p:.0%} measured {m:.0%} "
+                             f"({abs(p - m) * 100:.0f} points; predicted/measured TTFT p90 "
+                             f"{_ms(pt['ttft_p90_s'])}/{_ms(mt['ttft_p90_s'])} ms, TPOT p99 "
+                             f"{_ms(pt['tpot_p99_s'])}/{_ms(mt['tpot_p99_s'])} ms)")
+            pc = predicted["bill"]["cost_per_1m_output"] / 1e3
+            mc = measured["bill"]["cost_per_1m_output"] / 1e3
+            cost_errors.append(abs(pc - mc) / mc)
+            tag = "plan" if cell == best.cell else "cell"
+            print(f"plan_check {tag} {cell.describe()} | " + " | ".join(parts)
+                  + f" | cost per 1K output predicted ${pc:.5f} measured ${mc:.5f} "
+                  f"({abs(pc - mc) / mc:.0%}) | makespan predicted {predicted['makespan_s']:.1f}"
+                  f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s)",
+                  flush=True)
+    print(f"plan_check cpu={cpu_model()!r} quantization={args.quantization} rate={args.rate:g} "
+          f"requests={args.requests} slo={args.slo!r} attainment={args.attainment:g} "
+          f"grid seqs={args.max_num_seqs} budgets={args.max_num_batched_tokens} "
+          f"plan={best.cell.describe()}: attainment apart at most "
+          f"{max(worst_points, default=0):.0f} points (target 5), cost per 1K output apart "
+          f"at most {max(cost_errors, default=0):.0%} (target 10%)", flush=True)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_args(p)
+    run(p.parse_args(argv))
+    return 0
