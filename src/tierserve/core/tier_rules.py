@@ -41,7 +41,7 @@ RATIO_BOUNDS = (0.5, 2.0)
 SLO_CAP_SHARE = 0.9
 """A priority TPOT target sets the priority cap at this share of it. The cap holds a
 step's time near the cap on average, not under it: with the cap at the target itself, the
-plan check (docs/benchmarks.md: SmolLM2-135M 4-bit, 2-core EPYC, 2.5 req/s) measured 81%
+plan check (docs/benchmarks.md: SmolLM2-135M 4-bit, 2-core EPYC, 2.5 req/s) measured 44%
 of priority requests within a 50 ms TPOT target where the twin predicted 96% (TPOT p99
 51 ms); the share keeps a step's usual spread under the target."""
 LONE_DECODE_CAPS = 3

@@ -106,8 +106,6 @@ class LLMEngine:
             f"max_model_len {self.max_model_len}")
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        self._last_end: float | None = None
-        """The last step's end while the engine steps back to back (see `step`)."""
         if self.core.policy.tiered and config.scheduler.priority_step_time_s != 0:
             self._set_step_time_cap(say)
 
@@ -244,36 +242,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """Plan, run and book one step; each request it touched as an output.
-
-        NOTE: what the step-time cap is corrected by
-            A token's wait is the time from the previous step's end (when its tokens were
-            stamped) to this one's: the previous step's outputs (detokenizing, building
-            them), whatever the caller did between steps (a server's HTTP work), then this
-            step's plan and forward pass. So when the engine steps back to back, that
-            whole interval is the step's measured time; after an idle spell, from the
-            start of this call. (Measured from this call alone, the cap's correction
-            missed 2-4% per step and a priority TPOT target equal to the cap was missed by
-            most requests under load: docs/benchmarks.md, the plan check.)"""
         begin = self.clock.now()
         scheduled, refused = self.core.plan(begin)
         outputs = [self._output(self._tracked[r.request_id], begin) for r in refused]
         if scheduled.is_empty:
-            self._last_end = None
             return outputs
         start = self.clock.now()
         self.core.begin(start)
         result = self.runner.execute(scheduled)
         end = self.clock.now()
-        since = begin if self._last_end is None else self._last_end
-        touched = self.core.apply(scheduled, result, start, end, measured_s=end - since)
+        touched = self.core.apply(scheduled, result, start, end,
+                                  measured_s=end - begin)  # the whole step, as a token waits
         for rid, entry in result.logprobs.items():
             tracked = self._tracked.get(rid)
             if tracked is not None:
                 tracked.logprobs.append(entry)
-        outputs += [self._output(self._tracked[r.request_id], end) for r in touched]
-        self._last_end = end if self.has_unfinished_requests() else None
-        return outputs
+        return outputs + [self._output(self._tracked[r.request_id], end) for r in touched]
 
     def _output(self, tracked: _Tracked, now: float) -> RequestOutput:
         request, stats, detok = tracked.request, tracked.stats, tracked.detokenizer
