@@ -11,9 +11,10 @@ configuration on the same arrivals, and both are summarized by the same report c
    machine) for the open-loop workload of benchmarks/tiers.py (Poisson arrivals at
    `--rate`, 20% priority chats, 30% flex, the rest default work, a shared system
    prompt) and the SLOs; the cheapest configuration that meets them is the plan.
-3. Run: a fresh engine with that configuration (its priority TPOT target as the tiered
-   cap, as the planner's simulation has it) serves the same arrivals in real time, its
-   cost meter priced like the plan's. `sim.report.summarize` reads both runs.
+3. Run: a fresh engine with that configuration (its tiered cap set from the priority
+   TPOT target by the rule the planner's simulation uses, core/tier_rules.py) serves the
+   same arrivals in real time, its cost meter priced like the plan's.
+   `sim.report.summarize` reads both runs.
 
 Prints, per configuration run, predicted and measured SLO attainment per tier (points
 apart) and machine cost per 1K output tokens (relative error), then one summary line.
@@ -22,19 +23,21 @@ The run is the in-process engine: the time an HTTP server adds is not in either 
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
 from tierserve.core.stats import StatsCollector
 
-SLO_DEFAULT = "priority=0.5,0.05;default=4,0.15"
+SLO_DEFAULT = ["priority=0.5,0.05", "default=4,0.15"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
     p.add_argument("--requests", type=int, default=80)
-    p.add_argument("--slo", default=SLO_DEFAULT,
-                   help="TIER=TTFT_S,TPOT_S;... (default %(default)s)")
+    p.add_argument("--slo", action="append", default=None, metavar="TIER=TTFT_S,TPOT_S",
+                   help="as `tierserve plan --slo`, repeatable (default: "
+                        + " ".join(SLO_DEFAULT) + ")")
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--max-num-seqs", default="4,8,16,32", help="the grid (comma-separated)")
     p.add_argument("--max-num-batched-tokens", default="256,512")
@@ -43,15 +46,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", choices=("best", "all"), default="best",
                    help="run the plan only, or every configuration of the grid")
     p.add_argument("--bench-seed", type=int, default=34)
-
-
-def parse_slo(text: str) -> dict:
-    out = {}
-    for part in filter(None, text.split(";")):
-        tier, _, targets = part.partition("=")
-        ttft, tpot = (float(v) if v else None for v in targets.split(","))
-        out[tier.strip()] = (ttft, tpot)
-    return out
 
 
 def calibrate_profile(quantization: str | None, path: str) -> None:
@@ -97,11 +91,14 @@ def run(args) -> None:
     from tierserve.engine.calibrate import cpu_model
     from tierserve.model.shapes import preset
     from tierserve.sim.plan import Cell, Planner
+    from tierserve.sim.cli import parse_list, parse_slo
     from tierserve.sim.report import summarize
     from tierserve.sim.workload import SimRequest
 
     quantization = None if args.quantization == "none" else args.quantization
-    slo = parse_slo(args.slo)
+    slo = parse_slo(args.slo or SLO_DEFAULT)
+    seqs = parse_list(args.max_num_seqs, int, "--max-num-seqs")
+    budgets = parse_list(args.max_num_batched_tokens, int, "--max-num-batched-tokens")
     arrivals = make_workload(args.rate, args.requests, args.bench_seed, 0.2, 0.3)
     workload = [SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
                            prompt_ids=tuple(a.prompt)) for a in arrivals]
@@ -112,8 +109,6 @@ def run(args) -> None:
         planner = Planner(preset("smollm2-135m"), slo, args.attainment,
                           step_time_profile=profile, price_per_hour=args.price_per_hour,
                           seed=args.bench_seed)
-        seqs = [int(v) for v in args.max_num_seqs.split(",")]
-        budgets = [int(v) for v in args.max_num_batched_tokens.split(",")]
         fits = planner.search(workload, ["cpu-local"], ["shared"], seqs, budgets, 1)
         best = fits[0]
         cells = [best.cell] if args.cells == "best" else \
@@ -146,7 +141,8 @@ def run(args) -> None:
                   f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s)",
                   flush=True)
     print(f"plan_check cpu={cpu_model()!r} quantization={args.quantization} rate={args.rate:g} "
-          f"requests={args.requests} slo={args.slo!r} attainment={args.attainment:g} "
+          f"requests={args.requests} slo={' '.join(args.slo or SLO_DEFAULT)!r} "
+          f"attainment={args.attainment:g} "
           f"grid seqs={args.max_num_seqs} budgets={args.max_num_batched_tokens} "
           f"plan={best.cell.describe()}: attainment apart at most "
           f"{max(worst_points, default=0):.0f} points (target 5), cost per 1K output apart "
@@ -158,7 +154,13 @@ def _ms(seconds: float | None) -> str:
 
 
 def main(argv=None) -> int:
+    from tierserve.errors import TierserveError
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_args(p)
-    run(p.parse_args(argv))
+    try:
+        run(p.parse_args(argv))
+    except TierserveError as exc:  # a bad flag, or no configuration meets the SLOs
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
