@@ -43,7 +43,7 @@ SLO_CAP_SHARE = 0.9
 step's time near the cap on average, not under it: with the cap at the target itself, the
 plan check (docs/benchmarks.md: SmolLM2-135M 4-bit, 2-core EPYC, 2.5 req/s) measured 44%
 of priority requests within a 50 ms TPOT target where the twin predicted 96% (TPOT p99
-51 ms); the share keeps a step's usual spread under the target."""
+52 ms, 100% with the share: 46-47 ms); the share keeps the usual spread under the target."""
 LONE_DECODE_CAPS = 3
 """With no TPOT target and no explicit cap: the priority cap is this many lone decode
 steps (a 256-token context)."""
