@@ -16,8 +16,9 @@ NOTE: the fast-mode curve
     For the cheapest configuration the replica search is repeated (a) with a share f of
     the requests moved into the priority tier (seeded; the others keep their tiers, former
     priority ones become default), and (b) with the priority TPOT target scaled, which
-    also sets the tiered step-time cap (at 0.9 of it). Each point is the fleet needed, its machine cost per 1M
-    output tokens, and the share of it attributed to priority requests per 1M of theirs.
+    also sets the tiered step-time cap (at 0.9 of it). Each point is the fleet needed, its
+    machine cost per 1M output tokens, and the share of it attributed to priority requests
+    per 1M of theirs.
     In an open-loop workload the fleet's cost is its price times the time the arrivals
     span, so the total moves only when the fast lane forces another replica; the priority
     column shows the per-token premium the cost meter charges the fast lane meanwhile.
