@@ -66,3 +66,43 @@ def test_int8_products_agree_with_torchs_kernel(rows):
     want = torch.ops.aten._weight_int8pack_mm(x, layer.weight, layer.scales).float()
     # both sum in float32 and round once to bfloat16 (torch after the scale, in bf16)
     assert ((got - want).abs() <= want.abs() * 2**-6 + 1e-3).all()
+
+
+int8_vnni = pytest.mark.skipif(not getattr(kernels.load(), "int8_vnni", False),
+                               reason="the int8 head kernel needs AVX-512 VNNI and BF16")
+
+
+@int8_vnni
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 64])
+def test_the_int8_head_on_integer_dots_is_exact_up_to_int8_inputs_and_one_rounding(rows):
+    """The lm_head's VNNI kernel rounds x to int8 per group of 32 as the 4-bit kernel
+    does; its error is bounded the same way, and it reads the same layer as int8_matmul."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = int8_linear(torch.randn(320, 576, generator=gen), None, torch.bfloat16)
+    w = layer.weight.double() * layer.scales.double()[:, None]                 # [N, K]
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    kernel = kernels.load()
+    got = kernel.int8_matmul_vnni(x, kernel.pack_int8_vnni(layer.weight), layer.scales,
+                                  320).double()
+    exact = x.double() @ w.t()
+    d = x.double().view(rows, -1, GROUP_SIZE).abs().amax(-1) / 127
+    w_abs = w.abs().view(w.shape[0], -1, GROUP_SIZE).sum(-1)
+    bound = (d / 2) @ w_abs.t() + exact.abs() * 2**-8 + 1e-6
+    assert ((got - exact).abs() <= bound).all()
+    assert float((got - exact).norm() / exact.norm()) < 0.01
+
+
+@int8_vnni
+def test_an_int8_head_that_fits_runs_on_integer_dots_in_the_lean_step():
+    """What set_head decides: the 4-bit model's int8 head gives the VNNI kernel's logits."""
+    from tierserve.llm import LLM
+
+    llm = LLM(dtype="bfloat16", quantization="gguf")
+    runner = llm.engine.runner
+    head = runner.model.lm_head
+    hidden = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(1))
+    hidden = hidden.bfloat16()
+    kernel = kernels.load()
+    want = kernel.int8_matmul_vnni(hidden, kernel.pack_int8_vnni(head.weight), head.scales,
+                                   head.out_features).float()
+    assert torch.equal(runner.lean.logits(hidden), want)

@@ -134,8 +134,9 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 2
-"""Bump when the grid or the fit changes: older files are then not read."""
+CACHE_VERSION = 3
+"""Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
+chunks on the paged kernel): older files are then not read."""
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:

@@ -9,9 +9,11 @@ For each sequence, in parallel: every query head takes its scores against every 
 position of its KV head (each token's K and V row, all KV heads, is read once and
 contiguously), then a softmax and the weighted sum of values, all in float32. Each sequence is computed alone, so a sequence's output
 does not depend on what else is in the batch. With bfloat16 caches on a CPU with AVX-512
-BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly and the value rows are
-widened in registers: a step's cost per context token at 64 sequences fell from 0.154 to
-0.085-0.116 ms (benchmarks/decode_context.py, docs/benchmarks.md).
+BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly, 16 positions at a
+time, and the values of two positions are summed per instruction with the probabilities
+in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
+0.085-0.116 ms with the first, and each layer's attention by another 20% with the second
+(docs/benchmarks.md).
 
 The kernel is compiled with the lean step as one extension (model/kernels.py: at install
 time, or on first use). If that fails, or with TIERSERVE_NO_KERNELS=1, `kernels.load()`
@@ -76,8 +78,10 @@ static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* ta
     float qf[8][D];  // g <= 8 query heads per KV head
     for (int64_t j = 0; j < g; ++j)
       for (int x = 0; x < D; ++x) qf[j][x] = to_float(q[(h * g + j) * D + x]) * scale;
+    int64_t blk = 0, off = 0;
     for (int64_t t = 0; t < L; ++t) {
-      const T* k = kc + (table[t / bs] * bs + t % bs) * row + h * D;
+      const T* k = kc + (table[blk] * bs + off) * row + h * D;
+      if (++off == bs) { off = 0; ++blk; }
       widen(k, kf, D);
       for (int64_t j = 0; j < g; ++j) {
         float dot = 0.f;
@@ -87,8 +91,10 @@ static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* ta
     }
     softmax_rows(scores, g, L);
     float acc[8][D] = {};
+    blk = off = 0;
     for (int64_t t = 0; t < L; ++t) {
-      const T* v = vc + (table[t / bs] * bs + t % bs) * row + h * D;
+      const T* v = vc + (table[blk] * bs + off) * row + h * D;
+      if (++off == bs) { off = 0; ++blk; }
       widen(v, kf, D);
       for (int64_t j = 0; j < g; ++j) {
         const float p = scores[j * L + t];
@@ -101,52 +107,119 @@ static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* ta
 }
 
 #if defined(__AVX512BF16__)
-// The same for bfloat16 with AVX-512 BF16, in registers: each key row is dotted with the
-// query heads by vdpbf16ps (products of two bf16 numbers are exact; sums in float32, as
-// above) with no widened copy, and each value row is widened once in registers for all g
-// heads. The scale multiplies the dot instead of the query. At 64 sequences of ~190
-// tokens the portable loop above took ~27 ms of a 100 ms step (2-core EPYC).
+// The sum of each of 16 vectors: lane i of the result is the sum of v[i]'s lanes. A tree of
+// in-register shuffles (4 levels, 45 instructions for 16 sums) instead of a horizontal
+// reduction per vector (about 8 each).
+static inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // quarters: [a(q0+q2), a(q1+q3), b(q0+q2), b(q1+q3)]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter m: 4 partial sums of v[4i + m]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+  const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
+  // lane 4m + j holds the sum of v[4j + m]
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x44), _mm512_shuffle_ps(z0, z1, 0xEE));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+// Round n floats to bfloat16 bits (nearest even, as c10 does for finite values).
+static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
+  int64_t t = 0;
+  for (; t + 32 <= n; t += 32)
+    _mm512_storeu_si512(dst + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16),
+                                                              _mm512_loadu_ps(src + t)));
+  const uint32_t* raw = reinterpret_cast<const uint32_t*>(src);
+  for (; t < n; ++t)
+    dst[t] = static_cast<uint16_t>((raw[t] + 0x7FFFu + ((raw[t] >> 16) & 1u)) >> 16);
+}
+
+// The same for bfloat16 with AVX-512 BF16, in registers (products of two bf16 numbers are
+// exact; sums in float32). Keys: 16 positions at a time, each dotted with a query head by
+// vdpbf16ps, the 16 dots summed by sum16. Values: two positions' rows interleaved by
+// 16-bit unpacks, so one vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 dimensions, with the
+// probabilities rounded to bfloat16 (as the output is). The block table is walked, not
+// divided into per position. At 64 sequences of ~190 tokens on a 2-core EPYC (Zen 4) a
+// layer took 0.46 ms, against 0.36 here (0.33 and 0.26 with the cache warm).
 template <int D>
 static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int64_t* table, int64_t L,
                               at::BFloat16* out, int64_t H, int64_t Hkv, int64_t bs,
-                              float scale, float* scores) {
-  constexpr int KV = D / 32, VV = D / 16;  // vectors of 32 bf16 / 16 floats per row
+                              float scale, float* scores, uint16_t* probs) {
+  constexpr int KV = D / 32;  // vectors of 32 bf16 per row
   const int64_t g = H / Hkv, row = Hkv * D;
+  const __m512 sc = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < Hkv; ++h) {
     __m512bh qv[8][KV];
     for (int64_t j = 0; j < g; ++j)
       for (int v = 0; v < KV; ++v)
         qv[j][v] = (__m512bh)_mm512_loadu_si512(q + (h * g + j) * D + 32 * v);
-    for (int64_t t = 0; t < L; ++t) {
-      const at::BFloat16* k = kc + (table[t / bs] * bs + t % bs) * row + h * D;
-      __m512bh kv[KV];
-      for (int v = 0; v < KV; ++v) kv[v] = (__m512bh)_mm512_loadu_si512(k + 32 * v);
+    int64_t blk = 0, off = 0;
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+      const at::BFloat16* kp[16];
+      for (int i = 0; i < n; ++i) {
+        kp[i] = kc + (table[blk] * bs + off) * row + h * D;
+        if (++off == bs) { off = 0; ++blk; }
+      }
       for (int64_t j = 0; j < g; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        for (int v = 0; v < KV; ++v) a = _mm512_dpbf16_ps(a, qv[j][v], kv[v]);
-        scores[j * L + t] = _mm512_reduce_add_ps(a) * scale;
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) {
+          a[i] = _mm512_setzero_ps();
+          if (i < n)
+            for (int v = 0; v < KV; ++v)
+              a[i] = _mm512_dpbf16_ps(a[i], qv[j][v], (__m512bh)_mm512_loadu_si512(kp[i] + 32 * v));
+        }
+        _mm512_mask_storeu_ps(scores + j * L + t0, static_cast<__mmask16>((1u << n) - 1),
+                              _mm512_mul_ps(sum16(a), sc));
       }
     }
     softmax_rows(scores, g, L);
-    __m512 acc[8][VV];
+    for (int64_t j = 0; j < g; ++j) {
+      to_bf16_bits(scores + j * L, probs + j * (L + 2), L);
+      probs[j * (L + 2) + L] = 0;  // an odd last position pairs with a zero row
+    }
+    __m512 acc[8][2 * KV];  // [2u]: dims 32u + {0-3, 8-11, 16-19, 24-27}; [2u+1]: the rest
     for (int64_t j = 0; j < g; ++j)
-      for (int u = 0; u < VV; ++u) acc[j][u] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const at::BFloat16* v = vc + (table[t / bs] * bs + t % bs) * row + h * D;
-      __m512 vf[VV];
-      for (int u = 0; u < VV; ++u)
-        vf[u] = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(v + 16 * u)));
+      for (int u = 0; u < 2 * KV; ++u) acc[j][u] = _mm512_setzero_ps();
+    blk = off = 0;
+    for (int64_t t = 0; t < L; t += 2) {
+      __m512i a[KV], b[KV];
+      const at::BFloat16* v0 = vc + (table[blk] * bs + off) * row + h * D;
+      if (++off == bs) { off = 0; ++blk; }
+      for (int u = 0; u < KV; ++u) a[u] = _mm512_loadu_si512(v0 + 32 * u);
+      if (t + 1 < L) {
+        const at::BFloat16* v1 = vc + (table[blk] * bs + off) * row + h * D;
+        if (++off == bs) { off = 0; ++blk; }
+        for (int u = 0; u < KV; ++u) b[u] = _mm512_loadu_si512(v1 + 32 * u);
+      } else {
+        for (int u = 0; u < KV; ++u) b[u] = _mm512_setzero_si512();
+      }
+      __m512bh pairs[2 * KV];
+      for (int u = 0; u < KV; ++u) {
+        pairs[2 * u] = (__m512bh)_mm512_unpacklo_epi16(a[u], b[u]);
+        pairs[2 * u + 1] = (__m512bh)_mm512_unpackhi_epi16(a[u], b[u]);
+      }
       for (int64_t j = 0; j < g; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * L + t]);
-        for (int u = 0; u < VV; ++u) acc[j][u] = _mm512_fmadd_ps(p, vf[u], acc[j][u]);
+        int32_t p2;
+        std::memcpy(&p2, probs + j * (L + 2) + t, sizeof(p2));
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(p2);
+        for (int u = 0; u < 2 * KV; ++u) acc[j][u] = _mm512_dpbf16_ps(acc[j][u], pairs[u], p);
       }
     }
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t j = 0; j < g; ++j)
-      for (int u = 0; u < VV; ++u)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (h * g + j) * D + 16 * u),
-                            (__m256i)_mm512_cvtneps_pbh(acc[j][u]));
+      for (int u = 0; u < KV; ++u) {
+        at::BFloat16* o = out + (h * g + j) * D + 32 * u;
+        const __m512 r0 = _mm512_permutex2var_ps(acc[j][2 * u], lo, acc[j][2 * u + 1]);
+        const __m512 r1 = _mm512_permutex2var_ps(acc[j][2 * u], hi, acc[j][2 * u + 1]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(r0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(r1));
+      }
   }
 }
 #endif
@@ -157,13 +230,18 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* tables,
                 int64_t width, float scale) {
   int64_t max_len = 0;
   for (int64_t s = 0; s < B; ++s) max_len = std::max(max_len, lens[s]);
+  // Queries are taken from both ends in turn (0, B-1, 1, B-2, ...): a prefill chunk's
+  // queries have growing contexts, and each thread takes a contiguous range.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(8 * max_len), kf(D);
-    for (int64_t s = begin; s < end; ++s) {
+    std::vector<uint16_t> probs(8 * (max_len + 2));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i % 2 ? B - 1 - i / 2 : i / 2;
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same<T, at::BFloat16>::value) {
         one_sequence_bf16<D>(q + s * H * D, kc, vc, tables + s * width, lens[s],
-                             out + s * H * D, H, Hkv, bs, scale, scores.data());
+                             out + s * H * D, H, Hkv, bs, scale, scores.data(),
+                             probs.data());
         continue;
       }
 #endif

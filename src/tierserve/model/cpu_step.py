@@ -53,12 +53,15 @@ struct LeanLinear {
   int64_t group, max_rows;             // kernel kinds: above max_rows, dequantize (int4
                                        // here, int8 by the module) and run a dense matmul
   py::object module;
+  at::Tensor vnni;                     // the head's int8 weight in pack_int8_vnni's packing
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
     at::Tensor y;
     const bool blocks = kind == INT4 && aux.size(1) % 64 == 0;   // whole blocks of 64 rows
-    if (blocks && int4_fast(aux, group)) {
+    if (vnni.defined()) {
+      y = int8_matmul_vnni(x, vnni, aux, w.size(0));
+    } else if (blocks && int4_fast(aux, group)) {
       y = int4_matmul(x, w, aux, group);
     } else if (blocks && rows > max_rows) {    // wide x, no VNNI: dequantize once, dense
       y = at::mm(x, dequantize_int4_t_dense(w, aux, group));
@@ -169,14 +172,19 @@ struct LeanModel {
 
   void add_linear(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
                   int64_t group, int64_t max_rows, py::object module) {
-    linears.push_back({kind, w, aux, bias, group, max_rows, module});
+    linears.push_back({kind, w, aux, bias, group, max_rows, module, at::Tensor()});
   }
 
   std::optional<LeanLinear> head;        // lm_head: logits = head(final normed hidden)
 
   void set_head(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
                 int64_t group, int64_t max_rows, py::object module) {
-    head = LeanLinear{kind, w, aux, bias, group, max_rows, module};
+    head = LeanLinear{kind, w, aux, bias, group, max_rows, module, at::Tensor()};
+    // an int8 head (per-row scales, bfloat16 activations) on integer dot products where
+    // the CPU has them: x rounded to int8 per group of 32, as the 4-bit layers round it
+    if (kind == INT8 && int8_vnni() && w.size(0) % 32 == 0 && w.size(1) % 32 == 0 &&
+        aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
+      head->vnni = pack_int8_vnni(w);
   }
 
   at::Tensor logits(const at::Tensor& x) {
@@ -274,6 +282,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing (AVX-512 VNNI)");
   m.attr("int4_vnni") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
   m.def("int8_matmul", &int8_matmul, "(x W^T) * scales for an int8 weight");
+  m.def("pack_int8_vnni", &pack_int8_vnni, "an int8 weight repacked for int8_matmul_vnni");
+  m.def("int8_matmul_vnni", &int8_matmul_vnni, "(x W^T) * scales, x rounded to int8 (VNNI)");
+  m.attr("int8_vnni") = py::bool_(int8_vnni());
   py::class_<LeanModel>(m, "LeanModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>>())
