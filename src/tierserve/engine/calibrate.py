@@ -134,9 +134,10 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
-chunks on the paged kernel): older files are then not read."""
+chunks on the paged kernel; 4: back on torch's attention): older files are then not
+read."""
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:

@@ -230,7 +230,7 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* tables,
                 int64_t width, float scale) {
   int64_t max_len = 0;
   for (int64_t s = 0; s < B; ++s) max_len = std::max(max_len, lens[s]);
-  // Queries are taken from both ends in turn (0, B-1, 1, B-2, ...): a prefill chunk's
+  // Queries are taken from both ends in turn (0, B-1, 1, B-2, ...): a speculating decode's
   // queries have growing contexts, and each thread takes a contiguous range.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(8 * max_len), kf(D);
