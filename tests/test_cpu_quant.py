@@ -106,3 +106,21 @@ def test_an_int8_head_that_fits_runs_on_integer_dots_in_the_lean_step():
     want = kernel.int8_matmul_vnni(hidden, kernel.pack_int8_vnni(head.weight), head.scales,
                                    head.out_features).float()
     assert torch.equal(runner.lean.logits(hidden), want)
+
+
+@int8_vnni
+def test_a_weight_only_int8_model_keeps_its_heads_input_in_bfloat16():
+    """int8 is weight-only: its head must not round x to int8 as the 4-bit body's does
+    (rounded, greedy text moved off bfloat16's on 21 of 80 tokens of test_quant's prompts)."""
+    from tierserve.llm import LLM
+
+    runner = LLM(dtype="bfloat16", quantization="int8").engine.runner
+    head = runner.model.lm_head
+    hidden = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(1))
+    hidden = hidden.bfloat16()
+    kernel = kernels.load()
+    rounded = kernel.int8_matmul_vnni(hidden, kernel.pack_int8_vnni(head.weight),
+                                      head.scales, head.out_features).float()
+    want = kernel.int8_matmul(hidden, head.weight, head.scales).float()
+    got = runner.lean.logits(hidden)
+    assert torch.equal(got, want) and not torch.equal(got, rounded)

@@ -178,11 +178,14 @@ struct LeanModel {
   std::optional<LeanLinear> head;        // lm_head: logits = head(final normed hidden)
 
   void set_head(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
-                int64_t group, int64_t max_rows, py::object module) {
+                int64_t group, int64_t max_rows, py::object module, bool round_input) {
     head = LeanLinear{kind, w, aux, bias, group, max_rows, module, at::Tensor()};
     // an int8 head (per-row scales, bfloat16 activations) on integer dot products where
-    // the CPU has them: x rounded to int8 per group of 32, as the 4-bit layers round it
-    if (kind == INT8 && int8_vnni() && w.size(0) % 32 == 0 && w.size(1) % 32 == 0 &&
+    // the CPU has them and the body's layers already round x to int8 per group of 32
+    // (4-bit weights): the head's input is then rounded the same way. A weight-only int8
+    // model keeps bfloat16 activations in its head too (round_input false).
+    if (round_input && kind == INT8 && int8_vnni() && w.size(0) % 32 == 0 &&
+        w.size(1) % 32 == 0 &&
         aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
       head->vnni = pack_int8_vnni(w);
   }
@@ -312,11 +315,14 @@ class LeanForward:
             shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.rms_norm_eps, [w.detach() for w in norms + [model.norm]],
             [k for k, _ in kv_caches], [v for _, v in kv_caches])
+        rounded = False  # does any body layer round x to int8 (the 4-bit kernel)?
         for layer in model.layers:
             for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                            layer.mlp.down_proj):
-                self.impl.add_linear(*_linear_spec(linear))
-        self.impl.set_head(*_linear_spec(model.lm_head))
+                spec = _linear_spec(linear)
+                rounded = rounded or spec[0] == 2
+                self.impl.add_linear(*spec)
+        self.impl.set_head(*_linear_spec(model.lm_head), rounded)
         self.rope = model.rope
 
     def __call__(self, h: Tensor, positions: Tensor, attn) -> Tensor:
