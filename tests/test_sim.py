@@ -214,3 +214,19 @@ def test_the_twin_makes_the_engines_decisions_under_both_caps_with_tenants(tmp_p
     reasons = Counter(r.finish_reason for r in twin.values())
     assert reasons["refused"] > 0 and reasons["length"] > 0  # the trace exercises both
     assert any(r.num_cached_tokens for r in twin.values())
+
+
+def test_sim_accuracy_sorts_steps_by_kind_and_reports_the_models_error_per_kind():
+    from tierserve.bench.sim_accuracy import step_kind, step_residuals
+
+    assert step_kind([(1, 40)]) == "decode x1"
+    assert step_kind([(1, 40)] * 3) == "decode x2-4"
+    assert step_kind([(64, 64)]) == "prefill"
+    assert step_kind([(64, 64)] + [(1, 9)] * 20) == "mixed x17-64"
+    model = StepTimeModel(0.01, 0.0, 0.001)
+    # decodes alone take what the model says; mixed steps twice that
+    steps = [([(1, 10)], model.predict_s([(1, 10)]))] * 3
+    steps += [([(32, 32), (1, 10)], 2 * model.predict_s([(32, 32), (1, 10)]))]
+    line = step_residuals(model, steps)
+    assert "decode x1 n=3" in line and "measured/predicted=1.00 (median 1.00)" in line
+    assert "mixed x1 n=1" in line and "measured/predicted=2.00 (median 2.00)" in line

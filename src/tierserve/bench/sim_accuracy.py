@@ -23,6 +23,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--bench-seed", type=int, default=99)
+    p.add_argument("--steps", action="store_true",
+                   help="also print the whole-step model's error on the engine's own steps "
+                        "by kind of step (decodes alone by batch size, prefills, mixed)")
 
 
 def figures(rows: list[dict], wall: float) -> dict:
@@ -52,7 +55,11 @@ def run(args) -> None:
     errors = []
     for rate in [float(r) for r in args.rates.split(",")]:
         arrivals = make_workload(rate, args.requests, args.bench_seed + int(rate * 10), 0.2, 0.3)
-        real = run_open_loop(engine, arrivals)
+        measured_steps = [] if args.steps else None
+        real = run_open_loop(engine, arrivals, measured_steps)
+        if args.steps:
+            print(f"sim_accuracy rate={rate:g} steps: " + step_residuals(whole, measured_steps),
+                  flush=True)
         engine.block_manager.reset_prefix_cache()
         sim = Simulator(SchedulerConfig(max_num_seqs=sc.max_num_seqs,
                                         max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -87,6 +94,36 @@ def run(args) -> None:
               f"{engine.scheduler.step_time_ratio:.2f}", flush=True)
     print(f"sim_accuracy median absolute error over tiers x (TTFT p50, p90, TPOT p50): "
           f"{statistics.median(errors):.0%} (target <= 10%)", flush=True)
+
+
+def step_kind(seqs: list[tuple[int, int]]) -> str:
+    """decode xB / prefill / mixed xB (B: decodes in it, binned)."""
+    decodes = sum(1 for n, _ in seqs if n == 1)
+    b = next(f"{lo}-{hi}" if lo != hi else str(lo)
+             for lo, hi in ((1, 1), (2, 4), (5, 16), (17, 64), (65, 1 << 30))
+             if decodes <= hi) if decodes else "0"
+    if decodes == len(seqs):
+        return f"decode x{b}"
+    return "prefill" if not decodes else f"mixed x{b}"
+
+
+def step_residuals(model, steps: list[tuple[list[tuple[int, int]], float]]) -> str:
+    """Per kind of step: count, share of the engine's time, and measured/predicted (sum
+    over sum, and the median of the ratios)."""
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for seqs, seconds in steps:
+        kinds.setdefault(step_kind(seqs), []).append((seconds, model.predict_s(seqs)))
+    total = sum(m for rows in kinds.values() for m, _ in rows) or 1.0
+    parts = []
+    for kind in sorted(kinds):
+        rows = kinds[kind]
+        meas, pred = sum(m for m, _ in rows), sum(q for _, q in rows)
+        med = statistics.median(m / q for m, q in rows if q > 0)
+        parts.append(f"{kind} n={len(rows)} time={meas / total:.0%} "
+                     f"measured/predicted={meas / pred:.2f} (median {med:.2f})")
+    meas = sum(m for _, m in steps)
+    pred = sum(model.predict_s(q) for q, _ in steps)
+    return " | ".join(parts) + f" | all n={len(steps)} measured/predicted={meas / pred:.2f}"
 
 
 def _err(sim: float | None, real: float | None) -> float:

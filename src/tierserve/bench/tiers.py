@@ -113,7 +113,9 @@ def worker(spec: dict) -> dict:
     return {"results": results, "threads": torch.get_num_threads()}
 
 
-def run_open_loop(engine, arrivals: list[Arrival]) -> dict:
+def run_open_loop(engine, arrivals: list[Arrival], whole_steps: list | None = None) -> dict:
+    """Replay `arrivals` through `engine`; `whole_steps`, if given, gets each step's
+    ([(num_tokens, context_len)...], seconds of the whole `engine.step()`)."""
     from tierserve.core.stats import StatsCollector
     from tierserve.sampling_params import SamplingParams
 
@@ -133,7 +135,12 @@ def run_open_loop(engine, arrivals: list[Arrival]) -> dict:
                                arrival_time=origin + a.t, tier=a.tier)
             i += 1
         if engine.has_unfinished_requests():
+            count, begin = len(collector.steps), engine.clock.now()
             engine.step()
+            if whole_steps is not None and len(collector.steps) > count:
+                whole_steps.append(([(q.num_tokens, q.context_len)
+                                     for q in collector.steps[-1].seqs],
+                                    engine.clock.now() - begin))
         elif i < len(arrivals):
             time.sleep(max(0.0, arrivals[i].t - now))
     wall = engine.clock.now() - origin
