@@ -113,7 +113,7 @@ def step_residuals(model, steps: list[tuple[list[tuple[int, int]], float]]) -> s
     kinds: dict[str, list[tuple[float, float]]] = {}
     for seqs, seconds in steps:
         kinds.setdefault(step_kind(seqs), []).append((seconds, model.predict_s(seqs)))
-    total = sum(m for rows in kinds.values() for m, _ in rows) or 1.0
+    total = sum(m for _, m in steps) or 1.0
     parts = []
     for kind in sorted(kinds):
         rows = kinds[kind]
@@ -121,9 +121,9 @@ def step_residuals(model, steps: list[tuple[list[tuple[int, int]], float]]) -> s
         med = statistics.median(m / q for m, q in rows if q > 0)
         parts.append(f"{kind} n={len(rows)} time={meas / total:.0%} "
                      f"measured/predicted={meas / pred:.2f} (median {med:.2f})")
-    meas = sum(m for _, m in steps)
-    pred = sum(model.predict_s(q) for q, _ in steps)
-    return " | ".join(parts) + f" | all n={len(steps)} measured/predicted={meas / pred:.2f}"
+    pred = sum(q for rows in kinds.values() for _, q in rows)
+    return (" | ".join(parts)
+            + f" | all n={len(steps)} measured/predicted={total / (pred or 1.0):.2f}")
 
 
 def _err(sim: float | None, real: float | None) -> float:

@@ -117,6 +117,7 @@ def run_open_loop(engine, arrivals: list[Arrival], whole_steps: list | None = No
     """Replay `arrivals` through `engine`; `whole_steps`, if given, gets each step's
     ([(num_tokens, context_len)...], seconds of the whole `engine.step()`)."""
     from tierserve.core.stats import StatsCollector
+    from tierserve.engine.calibrate import timed_step
     from tierserve.sampling_params import SamplingParams
 
     collector = StatsCollector()
@@ -135,12 +136,10 @@ def run_open_loop(engine, arrivals: list[Arrival], whole_steps: list | None = No
                                arrival_time=origin + a.t, tier=a.tier)
             i += 1
         if engine.has_unfinished_requests():
-            count, begin = len(collector.steps), engine.clock.now()
-            engine.step()
-            if whole_steps is not None and len(collector.steps) > count:
-                whole_steps.append(([(q.num_tokens, q.context_len)
-                                     for q in collector.steps[-1].seqs],
-                                    engine.clock.now() - begin))
+            if whole_steps is None:
+                engine.step()
+            else:
+                timed_step(engine, collector, whole_steps, whole_step=True)
         elif i < len(arrivals):
             time.sleep(max(0.0, arrivals[i].t - now))
     wall = engine.clock.now() - origin

@@ -93,13 +93,19 @@ def _run_batch(engine, num: int, prompt_len: int, max_tokens: int, rng, vocab: i
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]  # no prefix hits
         engine.add_request(None, prompt, dataclasses.replace(params, max_tokens=max_tokens))
     while engine.has_unfinished_requests():
-        count = len(collector.steps)
-        begin = engine.clock.now()
-        engine.step()
-        if len(collector.steps) > count:
-            st = collector.steps[-1]
-            samples.append(([(s.num_tokens, s.context_len) for s in st.seqs],
-                            engine.clock.now() - begin if whole_step else st.duration_s))
+        timed_step(engine, collector, samples, whole_step)
+
+
+def timed_step(engine, collector: StatsCollector, samples: list, whole_step: bool) -> None:
+    """One `engine.step()` (`collector` one of its sinks); a step it ran appends
+    ([(num_tokens, context_len)...], seconds) to `samples`: the whole `engine.step()`,
+    or the runner's time alone (see the note on what is timed)."""
+    count, begin = len(collector.steps), engine.clock.now()
+    engine.step()
+    if len(collector.steps) > count:
+        st = collector.steps[-1]
+        samples.append(([(s.num_tokens, s.context_len) for s in st.seqs],
+                        engine.clock.now() - begin if whole_step else st.duration_s))
 
 
 # ------------------------------------------------------------------ the cache
