@@ -1,6 +1,8 @@
 """Service tiers in the scheduler, with a fake runner (no torch): preemption for slots and
 blocks, the step-time cap, reserves, aging, the flex wait limit, victims, wasted work."""
 
+import json
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,7 +12,7 @@ from conftest import (FakeRunner, check_scheduler_invariants, make_requests, mak
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.request import Request, RequestStatus
 from tierserve.core.scheduler import SchedulerOutput
-from tierserve.core.step_time import StepTimeModel
+from tierserve.core.step_time import FEATURES, StepTimeModel
 from tierserve.core.tier_rules import victim
 from tierserve.tiers import Tier
 
@@ -286,14 +288,15 @@ def test_higher_tier_cached_blocks_are_evicted_last():
 
 def test_step_time_model_fit_recovers_its_coefficients():
     true = StepTimeModel(fixed_s=0.012, per_seq_s=0.0004, per_token_s=0.00011,
-                         per_kv_token_s=3e-6, per_pair_s=2e-8)
+                         per_kv_token_s=3e-6, per_pair_s=2e-8, per_chunk_s=0.006)
     steps = []
     for seqs in ([(1, 100)] * 4, [(1, 300)] * 16, [(64, 64)], [(256, 512)], [(1, 50)],
-                 [(1, 900)] * 64, [(30, 200), (1, 400)], [(128, 128)] * 2, [(1, 20)] * 32):
+                 [(1, 900)] * 64, [(30, 200), (1, 400)], [(128, 128)] * 2, [(1, 20)] * 32,
+                 [(16, 16)] * 3 + [(1, 64)] * 2):
         steps.append((seqs, true.predict_s(seqs)))
     for relative in (False, True):
         fit = StepTimeModel.fit(steps, relative=relative)
-        for name in ("fixed_s", "per_seq_s", "per_token_s", "per_kv_token_s", "per_pair_s"):
+        for name in FEATURES:
             a, b = getattr(fit, name), getattr(true, name)
             assert abs(a - b) <= 1e-6 * max(b, 1e-3), (name, relative)
 
@@ -304,6 +307,15 @@ def test_a_step_time_profile_round_trips_and_a_bad_one_is_a_clear_error(tmp_path
     model = StepTimeModel(0.03, 0.0003, 0.0003, 2e-6, 1e-7)
     model.save(tmp_path / "m.json", dtype="bfloat16")
     assert StepTimeModel.load(tmp_path / "m.json") == model
+    # a profile written before chunks had their own cost loads as the model it was
+    data = json.loads((tmp_path / "m.json").read_text())
+    del data["step_time_model"]["per_chunk_s"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert StepTimeModel.load(tmp_path / "old.json") == model
+    del data["step_time_model"]["per_seq_s"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="per_seq_s"):
+        StepTimeModel.load(tmp_path / "old.json")
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError, match="cannot read a step-time profile"):
         StepTimeModel.load(tmp_path / "bad.json")

@@ -91,9 +91,7 @@ def cmd_calibrate(args) -> int:
     model = calibrate(engine, repeats=args.repeats, whole_step=args.whole_step)
     model.save(args.out, model=args.model or "SmolLM2-135M-Instruct", dtype=args.dtype,
                device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
-    print(f"fixed {model.fixed_s * 1e3:.2f} ms/step, {model.per_seq_s * 1e3:.3f} ms/seq, "
-          f"{model.per_token_s * 1e3:.4f} ms/token, {model.per_pair_s * 1e9:.3f} ns/pair; "
-          f"a lone decode step {model.predict_s([(1, 256)]) * 1e3:.1f} ms; wrote {args.out}")
+    print(f"{model.summary()}; wrote {args.out}")
     return 0
 
 
@@ -114,11 +112,8 @@ def _calibrate_backend(args) -> int:
     model.save(args.out, backend=info["url"], model=info["model"], kind=info["kind"],
                source="streamed timings (tierserve calibrate --backend)",
                records=info["records"], median_error=round(info["median_error"], 4))
-    print(f"fixed {model.fixed_s * 1e3:.2f} ms/step, {model.per_seq_s * 1e3:.3f} ms/seq, "
-          f"{model.per_token_s * 1e3:.4f} ms/token, {model.per_kv_token_s * 1e6:.3f} us/KV "
-          f"token, {model.per_pair_s * 1e9:.3f} ns/pair; a lone decode step "
-          f"{model.predict_s([(1, 256)]) * 1e3:.1f} ms; median error on its "
-          f"{info['records']} records {info['median_error']:.1%}; wrote {args.out}")
+    print(f"{model.summary()}; median error on its {info['records']} records "
+          f"{info['median_error']:.1%}; wrote {args.out}")
     return 0
 
 

@@ -4,6 +4,7 @@ NOTE: the model
     t(step) = fixed + per_seq * seqs + per_token * tokens
               + per_kv_token * (context tokens read by decodes)
               + per_pair * (query-key pairs of prefill chunks)
+              + per_chunk * (prefill chunks)
 
     - fixed: what every step pays whatever it holds (weights streamed once, launch and
       Python overhead);
@@ -15,6 +16,14 @@ NOTE: the model
       dense matrix products: far cheaper per pair than a decode's reads. One feature for
       both would let the prefills' many cheap pairs hide the decodes' cost (measured:
       a 32-sequence decode step at context 420 predicted 55 ms, took 92).
+    - per_chunk: what a prefill chunk costs beyond a decode's per_seq: its own attention
+      path in every layer (the lean step runs torch's attention for chunks and the paged
+      kernel for decodes), its masks and copies. With one per_seq for both, the fit put a
+      chunk's share into `fixed` and per_seq: on a 2-core Zen 4 the whole-step model then
+      predicted steps where a chunk meets decodes 13-25% short and decode batches of 5-16
+      14% long (docs/benchmarks.md); fitted apart, a chunk costs about 8 ms more than a
+      decode (0.1 ms). Zero in a model that does not measure it (profiles written before
+      it, roofline models), which is the old model.
 
     The coefficients are fitted by least squares to measured steps (`fit`), which is what a
     calibration run does on the engine at hand (`tierserve calibrate`). In absolute error
@@ -33,7 +42,10 @@ from pathlib import Path
 
 from tierserve.errors import ConfigError
 
-FEATURES = ("fixed_s", "per_seq_s", "per_token_s", "per_kv_token_s", "per_pair_s")
+FEATURES = ("fixed_s", "per_seq_s", "per_token_s", "per_kv_token_s", "per_pair_s",
+            "per_chunk_s")
+OPTIONAL = {"per_chunk_s"}
+"""Coefficients a profile file may lack (written before they were measured): zero."""
 EPS_S = 1e-12
 """Slack when comparing predicted sums of seconds (float rounding)."""
 
@@ -45,6 +57,7 @@ class StepTimeModel:
     per_token_s: float
     per_kv_token_s: float = 0.0
     per_pair_s: float = 0.0
+    per_chunk_s: float = 0.0
 
     def seq_cost_s(self, num_tokens: int, context_len: int) -> float:
         """Time a sequence adds to a step: `num_tokens` new, `context_len` after them."""
@@ -53,18 +66,28 @@ class StepTimeModel:
         cost = self.per_seq_s + self.per_token_s * num_tokens
         if num_tokens == 1:
             return cost + self.per_kv_token_s * context_len
-        return cost + self.per_pair_s * num_tokens * context_len
+        return cost + self.per_chunk_s + self.per_pair_s * num_tokens * context_len
 
     @staticmethod
-    def features(seqs: list[tuple[int, int]]) -> tuple[int, int, int, int]:
-        """(seqs, tokens, decode context tokens, prefill pairs) of a step's sequences."""
+    def features(seqs: list[tuple[int, int]]) -> tuple[int, int, int, int, int]:
+        """(seqs, tokens, decode context tokens, prefill pairs, prefill chunks) of a step's
+        sequences: the multipliers of FEATURES after `fixed_s`."""
         kv = sum(c for n, c in seqs if n == 1)
         pairs = sum(n * c for n, c in seqs if n > 1)
-        return len(seqs), sum(n for n, _ in seqs), kv, pairs
+        chunks = sum(1 for n, _ in seqs if n > 1)
+        return len(seqs), sum(n for n, _ in seqs), kv, pairs, chunks
 
     def predict_s(self, seqs: list[tuple[int, int]]) -> float:
         """Predicted time of a step of (num_tokens, context_len) sequences."""
         return self.fixed_s + sum(self.seq_cost_s(n, c) for n, c in seqs)
+
+    def summary(self) -> str:
+        """The coefficients in the units a person reads, and a lone decode step."""
+        return (f"fixed {self.fixed_s * 1e3:.2f} ms/step, {self.per_seq_s * 1e3:.3f} ms/seq, "
+                f"{self.per_chunk_s * 1e3:.3f} ms/prefill chunk, {self.per_token_s * 1e3:.4f} "
+                f"ms/token, {self.per_kv_token_s * 1e6:.3f} us/KV token, "
+                f"{self.per_pair_s * 1e9:.3f} ns/pair; a lone decode step "
+                f"{self.predict_s([(1, 256)]) * 1e3:.1f} ms")
 
     def max_tokens_within(self, room_s: float, start_pos: int, limit: int) -> int:
         """Most tokens (<= limit) of one sequence at `start_pos` whose cost fits `room_s`."""
@@ -112,7 +135,8 @@ class StepTimeModel:
     def load(cls, path: str | Path) -> "StepTimeModel":
         try:
             data = json.loads(Path(path).read_text())["step_time_model"]
-            return cls(**{k: float(data[k]) for k in FEATURES})
+            return cls(**{k: float(data[k]) for k in FEATURES
+                          if k in data or k not in OPTIONAL})
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
 

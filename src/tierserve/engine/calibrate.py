@@ -2,10 +2,11 @@
 
 NOTE: the grid
     A few batches that together vary every feature of the model independently: lone
-    prefills of rising length (per token, with one sequence), decode batches of rising
-    size at a short and at a long context (per sequence, per KV token read); the prefills
-    of the batches add steps where chunks meet decodes. A warm-up batch (allocator and
-    kernel warm-up) is not measured. About 10 seconds on a 2-core CPU. Nothing of it
+    prefills of rising length (per token, per chunk, with one sequence), decode batches
+    of rising size at a short and at a long context (per sequence, per KV token read);
+    the prefills of the batches add steps where chunks meet decodes. A warm-up batch
+    (allocator and kernel warm-up) is not measured. 24-32 s on a 2-core Zen 4 for the
+    135M model (bf16 or gguf; 20-28 s before more decode sizes were added). Nothing of it
     stays behind: the prefix cache is emptied and the counters and stat sinks the engine
     had are restored.
 
@@ -48,11 +49,21 @@ def calibration_batches(max_num_seqs: int, max_len: int,
     run together at full batch size (beside prefill chunks, then alone)."""
     short, long = min(32, max_len - 64), min(384, max_len - 64)
     batches = [(1, min(n, max_len - 2), 1) for n in (32, 128, 384)]  # lone prefills
-    for ctx in (short, long):  # decodes: batch size x context
-        for b in (1, 8, 32):
-            b = min(b, max_num_seqs)
-            batches.append((b, ctx, min(b * ctx // budget + 4, 60)))
+    for ctx, sizes in ((short, DECODE_BATCHES), (long, LONG_DECODE_BATCHES)):
+        for b in sorted({min(b, max_num_seqs) for b in sizes}):  # decodes: size x context
+            batches.append((b, ctx, min(b * ctx // budget + DECODE_STEPS, 60)))
     return batches
+
+
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+LONG_DECODE_BATCHES = (1, 4, 8, 32)
+"""At the long context each batch's prompts cost seconds to prefill (16 x 384 tokens:
+about 5 s on a 2-core Zen 4), so fewer sizes there; the KV term is set by its ends."""
+DECODE_STEPS = 8
+"""Decode steps each batch runs at full size after its last prompt is in. Under load
+most of an engine's steps are decodes of 1-16 sequences (70% of them at 0.5 req/s in
+benchmarks/sim_accuracy.py); with batches of 1, 8 and 32 and 4 such steps each, the
+grid held 50 decode steps of 211 and the fit missed lone decodes by 5-9%."""
 
 
 def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False) -> StepTimeModel:
@@ -140,10 +151,10 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
-chunks on the paged kernel; 4: back on torch's attention): older files are then not
-read."""
+chunks on the paged kernel; 4: back on torch's attention; 5: a prefill chunk's own cost
+and more decode steps): older files are then not read."""
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:
