@@ -1,6 +1,8 @@
 """The sampler alone: top-k / top-p keep the right tokens; draws depend only on the seed."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from tierserve.errors import InvalidRequestError
@@ -116,3 +118,27 @@ def test_sampling_parameters_are_checked():
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.05, 1.0), min_size=1, max_size=6), st.floats(0.05, 8.0),
+       st.integers(0, 2**31 - 1))
+def test_top_p_keeps_the_nucleus_a_full_sort_keeps(top_ps, spread, seed):
+    # the sampler looks among the top k first and grows k; a flat row (small spread)
+    # needs the whole vocabulary, a peaked one a few tokens; a row at top_p 1 keeps all
+    from tierserve.worker.sampler import _apply_top_p
+
+    gen = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(len(top_ps), 5000, generator=gen) * spread).softmax(dim=-1)
+    kept = _apply_top_p(probs, top_ps)
+    p = torch.tensor(top_ps).unsqueeze(1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    before = ordered.cumsum(dim=-1) - ordered
+    want = torch.zeros_like(probs).scatter_(1, order, ordered.masked_fill(before >= p, 0.0))
+    assert torch.equal(kept[kept > 0], probs[kept > 0])  # kept tokens keep their mass
+    for i, tp in enumerate(top_ps):
+        if tp >= 1.0:  # (the sort's float cumsum can reach 1 before the last token)
+            assert torch.equal(kept[i], probs[i])
+        else:
+            assert int((kept[i] > 0).sum()) == int((want[i] > 0).sum())
+            assert abs(float(kept[i].sum()) - float(want[i].sum())) <= 1e-5

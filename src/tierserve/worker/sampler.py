@@ -156,8 +156,30 @@ def _apply_top_k(logits: Tensor, top_ks: list[int]) -> Tensor:
 
 
 def _apply_top_p(probs: Tensor, top_ps: list[float]) -> Tensor:
-    p = torch.tensor(top_ps, device=probs.device).unsqueeze(1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= p, 0.0)    # always keeps the top one
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    """Keep, per row, the most probable tokens until their mass reaches top_p (the top
+    one always). A token is kept when the mass before it is below p, so once the k most
+    probable hold p none past them is: the nucleus is found among `topk(k)`, k growing
+    from TOP_P_FIRST_K until it holds p, instead of sorting the whole vocabulary. Sorting
+    49,152 probabilities took 5 ms per row on a 2-core Zen 4 (46 ms for 16 rows, more
+    than the model's step), and SmolLM2's defaults (temperature 0.2, top_p 0.9) put
+    every default request on this path (benchmarks/sampler.py)."""
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]  # top_p 1 keeps every token
+    sub = probs[rows]
+    p = torch.tensor([top_ps[i] for i in rows], device=probs.device).unsqueeze(1)
+    vocab, k = sub.shape[1], min(TOP_P_FIRST_K, sub.shape[1])
+    while True:
+        top, order = sub.topk(k, dim=-1)                              # descending
+        if k == vocab or bool((top.sum(dim=-1, keepdim=True) >= p).all()):
+            break
+        k = min(k * 8, vocab)
+    mass_before = top.cumsum(dim=-1) - top
+    top = top.masked_fill(mass_before >= p, 0.0)                      # always keeps the top one
+    probs = probs.clone()
+    probs[rows] = torch.zeros_like(sub).scatter_(1, order, top)
+    return probs
+
+
+TOP_P_FIRST_K = 128
+"""Candidates looked at first for top_p: at temperature 0.2 the top 128 of SmolLM2's
+49,152 tokens hold 0.9 of the mass on nearly every step; a row that needs more grows k
+eightfold (1,024, 8,192, then all)."""
