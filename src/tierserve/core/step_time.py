@@ -18,12 +18,12 @@ NOTE: the model
       a 32-sequence decode step at context 420 predicted 55 ms, took 92).
     - per_chunk: what a prefill chunk costs beyond a decode's per_seq: its own attention
       path in every layer (the lean step runs torch's attention for chunks and the paged
-      kernel for decodes), its masks and copies. With one per_seq for both, the fit put a
-      chunk's share into `fixed` and per_seq: on a 2-core Zen 4 the whole-step model then
-      predicted steps where a chunk meets decodes 13-25% short and decode batches of 5-16
-      14% long (docs/benchmarks.md); fitted apart, a chunk costs about 8 ms more than a
-      decode (0.1 ms). Zero in a model that does not measure it (profiles written before
-      it, roofline models), which is the old model.
+      kernel for decodes), its masks and copies. With one per_seq for both, the fit
+      spread a chunk's cost over per_token (0.77 ms against 0.62 fitted apart): on a
+      2-core Zen 4 the whole-step model then predicted steps where a chunk meets decodes
+      13-24% short (docs/benchmarks.md); fitted apart, a chunk costs 5-10 ms more than a
+      decode's 0-0.4 ms. Zero in a model that does not measure it (profiles written
+      before it, roofline models), which is the old model.
 
     The coefficients are fitted by least squares to measured steps (`fit`), which is what a
     calibration run does on the engine at hand (`tierserve calibrate`). In absolute error
