@@ -34,6 +34,7 @@ def test_a_served_model_is_timed_and_fitted(tmp_path):
     one, eight = model.predict_s([(1, 80)]), model.predict_s([(1, 80)] * 8)
     assert 0 < one < eight
     assert model.predict_s([(256, 256)]) > model.predict_s([(16, 16)])
+    assert model.per_chunk_s == 0  # lone prefills cannot tell it from per_token
     model.save(tmp_path / "p.json", backend=info["url"])        # what `sim` reads back
     assert StepTimeModel.load(tmp_path / "p.json") == model
 

@@ -299,6 +299,7 @@ def test_step_time_model_fit_recovers_its_coefficients():
         for name in FEATURES:
             a, b = getattr(fit, name), getattr(true, name)
             assert abs(a - b) <= 1e-6 * max(b, 1e-3), (name, relative)
+    assert StepTimeModel.fit(steps, relative=True, chunk_term=False).per_chunk_s == 0
 
 
 def test_a_step_time_profile_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):

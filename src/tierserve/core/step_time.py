@@ -103,10 +103,11 @@ class StepTimeModel:
     # ------------------------------------------------------------ fit, files
     @classmethod
     def fit(cls, steps: list[tuple[list[tuple[int, int]], float]],
-            relative: bool = False) -> "StepTimeModel":
+            relative: bool = False, chunk_term: bool = True) -> "StepTimeModel":
         """Least squares (in relative error if `relative`) over measured steps, each
         ([(num_tokens, context_len)...], seconds), every coefficient kept >= 0 (a negative
-        one is dropped and the rest refitted)."""
+        one is dropped and the rest refitted). `chunk_term=False` leaves per_chunk at 0:
+        for a few records of lone prefills, where it and per_token trade off freely."""
         if len(steps) < len(FEATURES):
             raise ConfigError(f"need at least {len(FEATURES)} measured steps to fit a "
                               f"step-time model, got {len(steps)}")
@@ -115,7 +116,8 @@ class StepTimeModel:
         rows = [tuple(x * w for x in (1.0, *map(float, cls.features(seqs))))
                 for (seqs, _), w in zip(steps, weight)]
         ys = [d * w for (_, d), w in zip(steps, weight)]
-        active = list(range(len(FEATURES)))
+        active = [j for j, name in enumerate(FEATURES)
+                  if chunk_term or name != "per_chunk_s"]
         while True:
             coef = _least_squares([[r[j] for j in active] for r in rows], ys)
             negative = [j for j, c in zip(active, coef) if c < 0]
