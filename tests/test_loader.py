@@ -249,6 +249,12 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
         q.view(batch, kv_heads, g, dim).float(), keys.transpose(1, 2).float(),
         values.transpose(1, 2).float(), attn_mask=mask).reshape(batch, heads, dim)
     assert (out.float() - ref).abs().max().item() < tol
+    # fewer queries than twice the threads are split by KV head among the threads: the
+    # same numbers as when each query is one work item
+    for few in (1, 3):
+        alone = cpu_attention.paged_decode(kernel, q[-few:], k_cache, v_cache, tables[-few:],
+                                           lens[-few:])
+        assert torch.equal(alone, out[-few:])
 
 
 @pytest.mark.parametrize("model", ["default", "gemma3-270m"])

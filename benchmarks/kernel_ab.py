@@ -1,0 +1,130 @@
+"""The CPU kernels of two versions side by side in one process: the lean step's forward
+pass and head as git REV holds them (A) against the working tree's (B).
+
+    python benchmarks/kernel_ab.py [--rev HEAD] [--streams 1] [--context 128]
+                                   [--quantization gguf] [--rounds 20] [--calls 40]
+
+Both extensions are compiled from source (cached under ~/.cache/torch_extensions by the
+source's hash) and run over the same model weights and KV caches, on the inputs of one
+engine step with `--streams` sequences in decode at about `--context` tokens. Rounds
+alternate A and B (and which goes first), `--calls` timed calls each, so a noisy neighbour
+hits both alike: on the shared 2-vCPU machines the same step moves 20% from one minute to
+the next, more than most kernel changes. Prints whether the outputs are equal and one line
+with the medians and B/A.
+"""
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+from quant_speed import make_engine, start_decoding
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTS = ("cpu_attention", "cpu_quant", "cpu_step")
+
+
+def source_at(rev: str) -> str:
+    """The extension's C++ source as the model modules hold it at git revision `rev`."""
+    text = ""
+    for part in PARTS:
+        module = types.ModuleType(part)
+        code = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/tierserve/model/"
+                               f"{part}.py"], capture_output=True, text=True, check=True).stdout
+        exec(compile(code, part, "exec"), module.__dict__)
+        text += module.SOURCE
+    return text
+
+
+def build(source: str):
+    """Compile `source` as an extension of its own (pybind's class kept module-local, so two
+    versions load in one process)."""
+    from torch.utils.cpp_extension import load_inline
+
+    from tierserve.model import kernels
+
+    source = source.replace('py::class_<LeanModel>(m, "LeanModel")',
+                            'py::class_<LeanModel>(m, "LeanModel", py::module_local())')
+    name = "tierserve_ab_" + hashlib.sha1(source.encode()).hexdigest()[:12]
+    return load_inline(name=name, cpp_sources=[source], extra_cflags=kernels._FLAGS,
+                       extra_ldflags=["-fopenmp"])
+
+
+def step_inputs(engine):
+    """The lean forward's arguments and the head's input of the engine's next step."""
+    runner, seen = engine.runner, {}
+    lean = runner.lean
+
+    class Record:
+        def __call__(self, h, positions, attn):
+            seen["forward"] = (h.clone(), positions, attn)
+            return lean(h, positions, attn)
+
+        def logits(self, x):
+            seen["head"] = x.clone()
+            return lean.logits(x)
+
+    runner.lean = Record()
+    try:
+        engine.step()
+    finally:
+        runner.lean = lean
+    return seen["forward"], seen["head"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rev", default="HEAD")
+    p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--quantization", default="gguf")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    p.add_argument("--block-size", type=int, default=16)
+    args = p.parse_args(argv)
+    from tierserve.engine.calibrate import cpu_model
+    from tierserve.model import cpu_attention, cpu_quant, cpu_step, kernels
+
+    if kernels.load() is None:
+        print("kernel_ab: no C++ kernels here (no compiler, or TIERSERVE_NO_KERNELS)",
+              file=sys.stderr)
+        return 1
+    versions = {"A": build(source_at(args.rev)),
+                "B": build(cpu_attention.SOURCE + cpu_quant.SOURCE + cpu_step.SOURCE)}
+    engine = make_engine(args.quantization, args)
+    start_decoding(engine, args.streams, args.context, seed=0)
+    runner = engine.runner
+    lean = {k: cpu_step.LeanForward(m, runner.model, runner.kv_caches)
+            for k, m in versions.items()}
+    (h, positions, attn), x = step_inputs(engine)
+    out = {k: (f(h.clone(), positions, attn), f.logits(x)) for k, f in lean.items()}
+    same = all(a.equal(b) for a, b in zip(out["A"], out["B"]))
+
+    def timed(f) -> list[float]:
+        times = []
+        for _ in range(args.calls):
+            hh = h.clone()
+            begin = time.perf_counter()
+            f(hh, positions, attn)
+            f.logits(x)
+            times.append(time.perf_counter() - begin)
+        return times
+
+    times = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for k in ("AB" if r % 2 else "BA"):
+            times[k] += timed(lean[k])
+    a, b = (statistics.median(times[k]) * 1e3 for k in "AB")
+    print(f"kernel_ab cpu='{cpu_model()}' quantization={args.quantization} streams="
+          f"{args.streams} context={args.context} rev={args.rev} outputs_equal={same} | "
+          f"forward+head ms A {a:.3f} B {b:.3f} B/A {b / a:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
