@@ -144,6 +144,33 @@ static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
 // probabilities rounded to bfloat16 (as the output is). The block table is walked, not
 // divided into per position. At 64 sequences of ~190 tokens on a 2-core EPYC (Zen 4) a
 // layer took 0.46 ms, against 0.36 here (0.33 and 0.26 with the cache warm).
+// A cursor over a sequence's positions in a paged cache that asks for each position's head
+// slice (D bf16) before it is read, AHEAD positions before (walking the block table as the
+// reads do, without a division per position). A head's keys and values are short strided
+// pieces of each position's row (128 of 384 bytes for SmolLM2) scattered over the blocks:
+// without it, at 600 tokens of context, the attention of 30 layers read its 14 MB at
+// 14 GB/s, four times a layer's time alone (2-core EPYC Zen 5).
+constexpr int64_t AHEAD = 32;
+template <int D>
+struct Prefetcher {
+  const char* base;
+  const int64_t* table;
+  int64_t L, bs, row_bytes, t = 0, blk = 0, off = 0;
+  Prefetcher(const at::BFloat16* cache, const int64_t* table, int64_t L, int64_t bs,
+             int64_t row, int64_t h)
+      : base(reinterpret_cast<const char*>(cache + h * D)), table(table), L(L), bs(bs),
+        row_bytes(row * 2) {
+    for (int64_t i = 0; i < AHEAD; ++i) next();
+  }
+  inline void next() {   // the next position: ask for it, move on
+    if (t >= L) return;
+    const char* p = base + (table[blk] * bs + off) * row_bytes;
+    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    ++t;
+    if (++off == bs) { off = 0; ++blk; }
+  }
+};
+
 template <int D>
 static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int64_t* table, int64_t L,
@@ -159,12 +186,14 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
       for (int v = 0; v < KV; ++v)
         qv[j][v] = (__m512bh)_mm512_loadu_si512(q + (h * g + j) * D + 32 * v);
     int64_t blk = 0, off = 0;
+    Prefetcher<D> kpf(kc, table, L, bs, row, h);
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
       const at::BFloat16* kp[16];
       for (int i = 0; i < n; ++i) {
         kp[i] = kc + (table[blk] * bs + off) * row + h * D;
         if (++off == bs) { off = 0; ++blk; }
+        kpf.next();
       }
       for (int64_t j = 0; j < g; ++j) {
         __m512 a[16];
@@ -187,7 +216,10 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
     for (int64_t j = 0; j < g; ++j)
       for (int u = 0; u < 2 * KV; ++u) acc[j][u] = _mm512_setzero_ps();
     blk = off = 0;
+    Prefetcher<D> vpf(vc, table, L, bs, row, h);
     for (int64_t t = 0; t < L; t += 2) {
+      vpf.next();
+      vpf.next();
       __m512i a[KV], b[KV];
       const at::BFloat16* v0 = vc + (table[blk] * bs + off) * row + h * D;
       if (++off == bs) { off = 0; ++blk; }
