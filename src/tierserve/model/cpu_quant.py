@@ -122,31 +122,47 @@ static inline void unpack4(const uint8_t* src, __m512i* w) {
   w[3] = _mm512_and_si512(_mm512_srli_epi16(z1, 4), low);
 }
 
-// s and (z - 8 s) of one group's 64 outputs, in row order, from their (s, z) bf16 pairs.
+// s and (z - 8 s) of one group's 64 outputs, from their (s, z) bf16 pairs, in the lane
+// order of unpack4's sums ([0-3, 16-19, 4-7, 20-23], [8-11, 24-27, 12-15, 28-31], then +32):
+// the scales are put in the sums' order once per group, for every row of x, instead of
+// each row's sums in the rows' order (four permutes per row and group; the sums go back to
+// row order once, in lanes_to_rows).
 static inline void group_scales(const at::BFloat16* pairs, __m512* s, __m512* z) {
   const int32_t* p = reinterpret_cast<const int32_t*>(pairs);
-  for (int v = 0; v < 4; ++v) {
-    const __m512i pair = _mm512_loadu_si512(p + 16 * v);
-    s[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16));
-    z[v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s[v],
-                            _mm512_castsi512_ps(_mm512_and_si512(pair, _mm512_set1_epi32(-65536))));
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int half = 0; half < 2; ++half) {   // rows 0-31, then 32-63
+    const __m512i a = _mm512_loadu_si512(p + 32 * half), b = _mm512_loadu_si512(p + 32 * half + 16);
+    const __m512i lanes[2] = {_mm512_permutex2var_epi32(a, first, b),
+                              _mm512_permutex2var_epi32(a, second, b)};
+    for (int v = 0; v < 2; ++v) {
+      const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(lanes[v], 16));
+      s[2 * half + v] = sv;
+      z[2 * half + v] = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), sv,
+          _mm512_castsi512_ps(_mm512_and_si512(lanes[v], _mm512_set1_epi32(-65536))));
+    }
   }
 }
 
-// tot (64 outputs in row order) += s d sum(xq q) + (z - 8 s) d sum(xq), from one row's
-// group sums in unpack4's lane order.
+// tot (64 outputs in unpack4's lane order) += s d sum(xq q) + (z - 8 s) d sum(xq), from one
+// row's group sums.
 static inline void add_group(const __m512i* acc, const __m512* s, const __m512* z, float d,
                              float dsum, __m512* tot) {
-  const __m512i lo_rows = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i hi_rows = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i rows[4] = {_mm512_permutex2var_epi32(acc[0], lo_rows, acc[1]),
-                           _mm512_permutex2var_epi32(acc[0], hi_rows, acc[1]),
-                           _mm512_permutex2var_epi32(acc[2], lo_rows, acc[3]),
-                           _mm512_permutex2var_epi32(acc[2], hi_rows, acc[3])};
   const __m512 dv = _mm512_set1_ps(d), sum = _mm512_set1_ps(dsum);
   for (int v = 0; v < 4; ++v)
-    tot[v] = _mm512_fmadd_ps(_mm512_mul_ps(s[v], dv), _mm512_cvtepi32_ps(rows[v]),
+    tot[v] = _mm512_fmadd_ps(_mm512_mul_ps(s[v], dv), _mm512_cvtepi32_ps(acc[v]),
                              _mm512_fmadd_ps(z[v], sum, tot[v]));
+}
+
+// 64 outputs from unpack4's lane order to row order, in place.
+static inline void lanes_to_rows(__m512* tot) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512 rows[4] = {_mm512_permutex2var_ps(tot[0], lo, tot[1]),
+                          _mm512_permutex2var_ps(tot[0], hi, tot[1]),
+                          _mm512_permutex2var_ps(tot[2], lo, tot[3]),
+                          _mm512_permutex2var_ps(tot[2], hi, tot[3])};
+  for (int v = 0; v < 4; ++v) tot[v] = rows[v];
 }
 
 // R rows of x against one unpacked group (w: group/4 x 4 vectors): tot[r][64] += ...
@@ -207,8 +223,10 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
     for (int r = 0; r < R; ++r)
       add_group(acc[r], s, z, dx[r * groups + g], xsum[r * groups + g], tot[r]);
   }
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < R; ++r) {
+    lanes_to_rows(tot[r]);
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + r * 64 + 16 * v, tot[r][v]);
+  }
 }
 
 // Rows [r0, r1) of y for one block b of 64 outputs.
@@ -237,7 +255,14 @@ static void int4_tile_vnni(const int32_t* xq4, const float* dx, const float* xsu
       }
     }
   }
-  for (int64_t r = r0; r < r1; ++r) narrow(tot.data() + (r - r0) * 64, y + r * n + b * 64, 64);
+  for (int64_t r = r0; r < r1; ++r) {
+    float* tr = tot.data() + (r - r0) * 64;
+    __m512 t4[4];
+    for (int v = 0; v < 4; ++v) t4[v] = _mm512_loadu_ps(tr + 16 * v);
+    lanes_to_rows(t4);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(tr + 16 * v, t4[v]);
+    narrow(tr, y + r * n + b * 64, 64);
+  }
 }
 
 static inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
