@@ -73,6 +73,10 @@ def measure(name: str, port: int, command: str, levels: list[int], args) -> list
                   f"tok_s={res['output_tok_s']} ttft_ms p50/p99={res['ttft_ms_p50']}/"
                   f"{res['ttft_ms_p99']} itl_ms p50/p99={res['itl_ms_p50']}/"
                   f"{res['itl_ms_p99']} itl_max_ms={res.get('itl_ms_max')}", flush=True)
+            if res["ok"] < res["requests"]:   # say why, not only how many (a wrong --model
+                # name gave 0/16 with nothing else to go on)
+                print(f"# {name}: c={c}: {res['requests'] - res['ok']} requests failed: "
+                      f"{'; '.join(res.get('errors') or ['no error recorded'])}", flush=True)
     except (RuntimeError, subprocess.SubprocessError, OSError, ValueError) as exc:
         # a server that does not start (or a load run that fails) is reported; the next
         # server is still measured

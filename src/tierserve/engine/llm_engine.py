@@ -80,9 +80,9 @@ class LLMEngine:
         if mc.quantization == "none" and mc.device == "cpu" and \
                 str(self.loaded.source).endswith(".gguf"):
             say("weights in bfloat16 (--quantization none); --quantization gguf keeps this "
-                "file's 4-bit blocks packed: on a CPU about 2x bf16's tokens/s at one stream "
-                "and 1.5x at four, even at 16, behind at 64 (docs/benchmarks.md; `make "
-                "serve` uses gguf)")
+                "file's 4-bit blocks packed: on a CPU about 2.3x bf16's tokens/s at one "
+                "stream and level with it at 16-64 streams, where bf16's prompts start "
+                "sooner (docs/benchmarks.md; `make serve` uses gguf)")
         from tierserve.model.generation import describe, generation_defaults
         self.generation_defaults, source = generation_defaults(
             mc.generation_config, None if mc.load_format == "dummy" else self.loaded.source,

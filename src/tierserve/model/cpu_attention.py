@@ -5,10 +5,12 @@ NOTE: why a kernel. The torch path gathers every decode's K/V blocks into a padd
 about 20 ms of copies plus 22 ms of SDPA per step on the 2-core reference machine. This
 kernel walks each sequence's block table and reads keys and values where they lie, once.
 
-For each sequence, in parallel: every query head takes its scores against every context
-position of its KV head (each token's K and V row, all KV heads, is read once and
-contiguously), then a softmax and the weighted sum of values, all in float32. Each sequence is computed alone, so a sequence's output
-does not depend on what else is in the batch. With bfloat16 caches on a CPU with AVX-512
+For each sequence, in parallel (for each of its KV heads, when there are fewer sequences
+than twice the threads): every query head takes its scores against every context position
+of its KV head, then a softmax and the weighted sum of values, all in float32. Each
+sequence is computed alone, so a sequence's output does not depend on what else is in the
+batch. A head's keys and values are short pieces of each position's row, so the kernel asks
+for them 32 positions before it reads them (`Prefetcher`). With bfloat16 caches on a CPU with AVX-512
 BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly, 16 positions at a
 time, and the values of two positions are summed per instruction with the probabilities
 in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
