@@ -142,3 +142,23 @@ def test_top_p_keeps_the_nucleus_a_full_sort_keeps(top_ps, spread, seed):
         else:
             assert int((kept[i] > 0).sum()) == int((want[i] > 0).sum())
             assert abs(float(kept[i].sum()) - float(want[i].sum())) <= 1e-5
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 300), st.integers(0, 2**31 - 1),
+       st.sampled_from(["plain", "ties", "banned", "nan"]))
+def test_greedy_takes_the_first_largest_logit_as_torch_does(rows, width, seed, kind):
+    # the CPU kernel (where built) against torch.max: rows of any width (vector body and
+    # tail), many ties (values rounded to a few levels), whole rows banned to -inf, NaN
+    from tierserve.worker.sampler import greedy_tokens
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, width, generator=gen)
+    if kind == "ties":
+        logits = logits.round()
+    elif kind == "banned":
+        logits[torch.rand(rows, width, generator=gen) < 0.7] = float("-inf")
+        logits[0] = float("-inf")
+    elif kind == "nan":
+        logits[torch.rand(rows, width, generator=gen) < 0.05] = float("nan")
+    assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)
