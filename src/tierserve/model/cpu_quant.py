@@ -1,6 +1,6 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 550 lines because it is one kernel family in
+dequantized to W^T for wide inputs. About 600 lines because it is one kernel family in
 one C++ source string (the intrinsics take many lines); cpu_step.py holds the forward pass.
 
 NOTE: the 4- and 8-bit kernels. At a few rows a quantized layer is bound by reading its
