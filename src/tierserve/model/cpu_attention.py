@@ -9,9 +9,9 @@ For each sequence, in parallel (for each of its KV heads, when there are fewer s
 than twice the threads): every query head takes its scores against every context position
 of its KV head, then a softmax and the weighted sum of values, all in float32. Each
 sequence is computed alone, so a sequence's output does not depend on what else is in the
-batch. A head's keys and values are short pieces of each position's row, so the kernel asks
-for them 32 positions before it reads them (`Prefetcher`). With bfloat16 caches on a CPU with AVX-512
-BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly, 16 positions at a
+batch. A head's keys and values are short pieces of each position's row, so the kernel
+asks for them 32 positions before it reads them (`Prefetcher`). With bfloat16 caches on a
+CPU with AVX-512 BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly, 16 positions at a
 time, and the values of two positions are summed per instruction with the probabilities
 in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
 0.085-0.116 ms with the first, and each layer's attention by another 20% with the second
@@ -139,13 +139,6 @@ static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
     dst[t] = static_cast<uint16_t>((raw[t] + 0x7FFFu + ((raw[t] >> 16) & 1u)) >> 16);
 }
 
-// The same for bfloat16 with AVX-512 BF16, in registers (products of two bf16 numbers are
-// exact; sums in float32). Keys: 16 positions at a time, each dotted with a query head by
-// vdpbf16ps, the 16 dots summed by sum16. Values: two positions' rows interleaved by
-// 16-bit unpacks, so one vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 dimensions, with the
-// probabilities rounded to bfloat16 (as the output is). The block table is walked, not
-// divided into per position. At 64 sequences of ~190 tokens on a 2-core EPYC (Zen 4) a
-// layer took 0.46 ms, against 0.36 here (0.33 and 0.26 with the cache warm).
 // A cursor over a sequence's positions in a paged cache that asks for each position's head
 // slice (D bf16) before it is read, AHEAD positions before (walking the block table as the
 // reads do, without a division per position). A head's keys and values are short strided
@@ -173,6 +166,13 @@ struct Prefetcher {
   }
 };
 
+// The same for bfloat16 with AVX-512 BF16, in registers (products of two bf16 numbers are
+// exact; sums in float32). Keys: 16 positions at a time, each dotted with a query head by
+// vdpbf16ps, the 16 dots summed by sum16. Values: two positions' rows interleaved by
+// 16-bit unpacks, so one vdpbf16ps adds p_t v_t + p_t+1 v_t+1 for 16 dimensions, with the
+// probabilities rounded to bfloat16 (as the output is). The block table is walked, not
+// divided into per position. At 64 sequences of ~190 tokens on a 2-core EPYC (Zen 4) a
+// layer took 0.46 ms, against 0.36 here (0.33 and 0.26 with the cache warm).
 template <int D>
 static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
                               const at::BFloat16* vc, const int64_t* table, int64_t L,
