@@ -25,16 +25,20 @@ from pathlib import Path
 from quant_speed import make_engine, start_decoding
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("cpu_attention", "cpu_quant", "cpu_step")
 
 
 def source_at(rev: str) -> str:
     """The extension's C++ source as the model modules hold it at git revision `rev`."""
+    from tierserve.model.kernels import PARTS
+
     text = ""
     for part in PARTS:
         module = types.ModuleType(part)
-        code = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/tierserve/model/"
-                               f"{part}.py"], capture_output=True, text=True, check=True).stdout
+        shown = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/tierserve/model/"
+                                f"{part}.py"], capture_output=True, text=True)
+        if shown.returncode:  # a part written after `rev`
+            continue
+        code = shown.stdout
         exec(compile(code, part, "exec"), module.__dict__)
         text += module.SOURCE
     return text
@@ -88,14 +92,14 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
     from tierserve.engine.calibrate import cpu_model
-    from tierserve.model import cpu_attention, cpu_quant, cpu_step, kernels
+    from tierserve.model import cpu_step, kernels
 
     if kernels.load() is None:
         print("kernel_ab: no C++ kernels here (no compiler, or TIERSERVE_NO_KERNELS)",
               file=sys.stderr)
         return 1
     versions = {"A": build(source_at(args.rev)),
-                "B": build(cpu_attention.SOURCE + cpu_quant.SOURCE + cpu_step.SOURCE)}
+                "B": build(kernels.source())}
     engine = make_engine(args.quantization, args)
     start_decoding(engine, args.streams, args.context, seed=0)
     runner = engine.runner

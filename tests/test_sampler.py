@@ -162,3 +162,88 @@ def test_greedy_takes_the_first_largest_logit_as_torch_does(rows, width, seed, k
     elif kind == "nan":
         logits[torch.rand(rows, width, generator=gen) < 0.05] = float("nan")
     assert torch.equal(greedy_tokens(logits), logits.max(dim=-1).indices)
+
+
+def _draws_follow_the_nucleus(logits, temperature: float, top_p: float, n: int = 2000) -> None:
+    """n evenly spaced uniforms through the sampling kernel over one row hit each token
+    about n x its probability (softmax at the temperature, cut to the top_p nucleus a full
+    sort keeps, renormalized), whatever order the kernel walks the kept tokens in; a
+    token outside the nucleus, or banned to -inf, never. Against a float64 reference."""
+    from tierserve.model import kernels
+
+    kernel = kernels.load()
+    if kernel is None:
+        pytest.skip("the CPU kernels are not built here")
+    width = logits.shape[0]
+    picks = kernel.sample_rows(logits.expand(n, width).contiguous(),
+                               torch.full((n,), temperature), torch.full((n,), top_p),
+                               (torch.arange(n, dtype=torch.float64) + 0.5).div(n).float())
+    counts = torch.bincount(picks, minlength=width).double()
+    probs = (logits.double() / temperature).softmax(dim=-1)
+    order = sorted(range(width), key=lambda i: (-float(probs[i]), i))
+    kept, before, unsure, last = torch.zeros(width, dtype=torch.float64), 0.0, False, None
+    for i in order:
+        if top_p < 1.0 and abs(before - top_p) < 1e-5:
+            unsure = True  # at the nucleus' edge float rounding may decide either way
+        if before < top_p or top_p >= 1.0:
+            kept[i], last = probs[i], i
+        elif float(probs[i]) >= float(probs[last]) * (1 - 1e-6):
+            unsure = True  # tied with the last kept one: which of them is kept is a tie's
+        before += float(probs[i])                # break (the kernel's exp may differ by an ulp)
+    assert all(counts[i] == 0 for i in range(width) if logits[i] == float("-inf"))
+    if unsure:  # (which renormalizes every other token's share): only what is drawn
+        return
+    want = kept / kept.sum() * n
+    for i in range(width):
+        if kept[i] == 0:
+            assert counts[i] == 0, (i, float(probs[i]))
+        else:
+            assert abs(counts[i] - want[i]) <= 2 + 1e-3 * n, (i, counts[i], want[i])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 400), st.floats(0.05, 3.0), st.floats(0.05, 1.0),
+       st.integers(0, 2**31 - 1), st.sampled_from(["plain", "ties", "banned"]))
+def test_the_sampling_kernel_draws_each_token_as_often_as_its_probability(
+        width, temperature, top_p, seed, kind):
+    # model/cpu_sample.py: rows of any width, peaked or flat, with ties and banned tokens
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(width, generator=gen) * 3
+    if kind == "ties":
+        logits = logits.round()
+    elif kind == "banned":
+        logits[torch.rand(width, generator=gen) < 0.6] = float("-inf")
+        logits[int(torch.randint(width, (1,), generator=gen))] = 0.5
+    _draws_follow_the_nucleus(logits, temperature, top_p)
+
+
+def test_the_sampling_kernel_keeps_every_token_of_wide_flat_nuclei():
+    # flat rows of 100-300 tokens put hundreds of candidates through the kernel's
+    # weighted selection, so every way it can end (the boundary found in a partition's
+    # pivot, among the larger ones, or in the last sort) is taken, with each kept token
+    # likely enough to be counted
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(120):
+        width = int(torch.randint(100, 300, (1,), generator=gen))
+        top_p = float(torch.rand(1, generator=gen)) * 0.6 + 0.3
+        _draws_follow_the_nucleus(torch.randn(width, generator=gen) * 0.5, 1.0, top_p)
+
+
+def test_the_kernel_and_torch_draw_the_same_token_for_the_same_uniform():
+    # at top_p 1 both walk the vocabulary in order to where the running sum reaches u Z,
+    # so a seeded request draws what it drew before the kernel (all but a draw that float
+    # rounding moves across a boundary, about one in 10^5)
+    from tierserve.worker.sampler import _sample_torch
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(64, 1000, generator=gen)
+    u = torch.rand(64, generator=gen).clamp_min(1e-6)
+    params = [SamplingParams(temperature=1.0) for _ in range(64)]
+    ref = _sample_torch(logits.clone(), params, u)
+    from tierserve.model import kernels
+
+    kernel = kernels.load()
+    if kernel is None:
+        pytest.skip("the CPU kernels are not built here")
+    got = kernel.sample_rows(logits.clone(), torch.ones(64), torch.ones(64), u)
+    assert int((got == ref).sum()) >= 63

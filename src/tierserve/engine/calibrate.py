@@ -130,7 +130,7 @@ def cache_path(engine) -> Path:
     deleting the file (or TIERSERVE_CACHE_DIR pointing elsewhere) forces a new fit."""
     import torch
 
-    from tierserve.model import cpu_attention, cpu_quant, cpu_step, kernels
+    from tierserve.model import kernels
 
     mc, cc, sc = engine.config.model, engine.config.cache, engine.config.scheduler
     source = engine.loaded.source
@@ -140,8 +140,7 @@ def cache_path(engine) -> Path:
         size = None
     key = json.dumps([
         cpu_model(), torch.get_num_threads(), torch.__version__, platform.machine(),
-        hashlib.sha256((cpu_attention.SOURCE + cpu_quant.SOURCE + cpu_step.SOURCE)
-                       .encode()).hexdigest()[:16],
+        hashlib.sha256(kernels.source().encode()).hexdigest()[:16],
         engine.runner.lean is not None, kernels.load() is not None,
         str(source), size, mc.dtype, mc.quantization, mc.device, mc.load_format,
         cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,

@@ -341,6 +341,8 @@ static at::Tensor argmax_rows(const at::Tensor& logits) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each float32 row's first largest value's index");
+  m.def("sample_rows", &sample_rows, "a token per float32 row at its temperature and top_p "
+        "(cpu_sample.py)");
   m.def("paged_decode", &paged_decode, "paged decode attention (cpu_attention.py)");
   m.def("dequantize_int4_t", &dequantize_int4_t_dense, "torch's CPU int4 packing as W^T");
   m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing (AVX-512 VNNI)");

@@ -1,6 +1,6 @@
 """The CPU kernels, compiled once as one C++ extension: the paged decode attention
-(cpu_attention.py), the quantized linear kernels (cpu_quant.py) and the lean step
-(cpu_step.py).
+(cpu_attention.py), the quantized linear kernels (cpu_quant.py), random sampling
+(cpu_sample.py) and the lean step (cpu_step.py).
 
 NOTE: when they are built. `make install` (and `make serve`, which installs first) runs
 `python -m tierserve.model.kernels`, so the extension is compiled when the package is
@@ -42,17 +42,26 @@ def load():
     return _KERNEL
 
 
+PARTS = ("cpu_attention", "cpu_quant", "cpu_sample", "cpu_step")
+"""The modules whose C++ `SOURCE` strings make the extension, in order (cpu_step's ends
+with the bindings of all of them)."""
+
+
+def source() -> str:
+    """The extension's whole C++ source."""
+    import importlib
+
+    return "".join(importlib.import_module(f"tierserve.model.{part}").SOURCE for part in PARTS)
+
+
 def _build():
     from torch.utils.cpp_extension import _get_build_directory, load_inline
-
-    from tierserve.model import cpu_attention, cpu_quant, cpu_step
 
     built = os.path.exists(os.path.join(_get_build_directory(NAME, False), f"{NAME}.so"))
     if not built:
         log.warning("compiling the CPU kernels (once per machine, about a minute; "
                     "`make install` does this ahead)")
-    return load_inline(name=NAME, cpp_sources=[cpu_attention.SOURCE + cpu_quant.SOURCE
-                                                  + cpu_step.SOURCE],
+    return load_inline(name=NAME, cpp_sources=[source()],
                        verbose=False, extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"])
 
 

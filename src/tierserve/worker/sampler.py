@@ -136,7 +136,32 @@ def _adjust(logits: Tensor, states: list[SamplingState]) -> None:
 
 
 def _sample_random(logits: Tensor, states: list[SamplingState]) -> Tensor:
-    params = [s.params for s in states]
+    """A token per row, drawn with each request's generator: the CPU kernel's draw
+    (model/cpu_sample.py) for rows at a temperature and top_p, torch's for rows with
+    top_k or min_p, or where the kernel is not built. Each row takes one uniform from its
+    generator either way, so a seeded request draws the same numbers on both paths."""
+    # 1 - U is in (0, 1], so the pick always lands on a token with non-zero probability.
+    u = torch.tensor([1.0 - torch.rand(1, generator=s.generator).item() for s in states])
+    kernel = kernels.load() if logits.device.type == "cpu" else None
+    if kernel is None or logits.dtype != torch.float32:
+        return _sample_torch(logits, [s.params for s in states], u.to(logits.device))
+    plain = [i for i, s in enumerate(states) if not (s.params.top_k or s.params.min_p)]
+    out = torch.empty(len(states), dtype=torch.long)
+    if plain:
+        params = [states[i].params for i in plain]
+        every = len(plain) == len(states) and logits.is_contiguous()
+        out[plain] = kernel.sample_rows(
+            logits if every else logits[plain], torch.tensor([p.temperature for p in params]),
+            torch.tensor([p.top_p for p in params]), u if every else u[plain].contiguous())
+    if len(plain) < len(states):
+        rest = [i for i in range(len(states)) if i not in set(plain)]
+        out[rest] = _sample_torch(logits[rest], [states[i].params for i in rest], u[rest])
+    return out
+
+
+def _sample_torch(logits: Tensor, params: list[SamplingParams], u: Tensor) -> Tensor:
+    """The torch path: temperature, top_k, softmax, top_p, min_p, then the first token
+    whose cumulative probability reaches u times the total, for u in (0, 1]."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temps.unsqueeze(1)
     top_ks = [p.top_k for p in params]
@@ -151,9 +176,6 @@ def _sample_random(logits: Tensor, states: list[SamplingState]) -> Tensor:
         floor = torch.tensor(min_ps).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)                 # keeps the top one
     cdf = probs.cumsum(dim=-1)                                        # [S, V]
-    # 1 - U is in (0, 1], so the pick always lands on a token with non-zero probability.
-    u = torch.tensor([1.0 - torch.rand(1, generator=s.generator).item() for s in states],
-                     device=logits.device)
     target = (u * cdf[:, -1]).unsqueeze(1)
     picked = torch.searchsorted(cdf, target).squeeze(1)
     return picked.clamp_(max=logits.shape[1] - 1)
