@@ -11,6 +11,11 @@ throughput; one line per rate with the absolute percentage errors (attainment: p
 The headline median is over TTFT p50, p90 and TPOT p50 (comparable with earlier runs);
 a second one takes the p99s in too.
 
+NOTE: when the twin is calibrated. Right before each rate's run, as a user would run
+`tierserve calibrate` before `sim`: on a 2-core Zen 5 VM the same calibration predicted a
+lone decode step at 10.3 ms at one moment and 12.2 ms eight minutes later, and the whole
+twin was as far off as the machine had drifted.
+
 NOTE: the floor. `--floor` runs the engine a second time on the same arrivals. On a
 shared 2-vCPU VM the same lone decode step wanders 16-24 ms from one second to the next
 (steal time 0-3%, so not visible to the guest), and near capacity that spread moves
@@ -97,13 +102,14 @@ def _one_policy(args, policy: str, slo: dict, errors: dict) -> None:
     from tierserve.sim.workload import SimRequest
 
     engine = LLMEngine(engine_config(max_num_seqs=args.max_num_seqs, policy=policy))
-    began = time.perf_counter()
-    whole = calibrate(engine, whole_step=True)  # the simulator's steps: whole engine steps
-    print(f"sim_accuracy policy={policy} whole-step model ({time.perf_counter() - began:.0f} "
-          f"s to calibrate): {whole.summary()}", flush=True)
     model = engine.scheduler.step_time_model  # what the engine plans with (None: no cap)
     sc = engine.config.scheduler
     for rate in [float(r) for r in args.rates.split(",")]:
+        began = time.perf_counter()
+        whole = calibrate(engine, whole_step=True)  # the simulator's steps: whole steps,
+        print(f"sim_accuracy policy={policy} rate={rate:g} whole-step model "  # measured
+              f"({time.perf_counter() - began:.0f} s to calibrate, just before the run): "
+              f"{whole.summary()}", flush=True)
         arrivals = make_workload(rate, args.requests, args.bench_seed + int(rate * 10), 0.2, 0.3)
         measured_steps = [] if args.steps else None
         real = run_open_loop(engine, arrivals, measured_steps)

@@ -118,8 +118,10 @@ def run_open_loop(engine, arrivals: list[Arrival], whole_steps: list | None = No
     ([(num_tokens, context_len)...], seconds of the whole `engine.step()`)."""
     from tierserve.core.stats import StatsCollector
     from tierserve.engine.calibrate import timed_step
+    from tierserve.model.generation import request_sampling
     from tierserve.sampling_params import SamplingParams
 
+    sampling = request_sampling(engine.generation_defaults)  # as a request that sets none
     collector = StatsCollector()
     engine.add_sink(collector)
     sched = engine.scheduler
@@ -132,7 +134,7 @@ def run_open_loop(engine, arrivals: list[Arrival], whole_steps: list | None = No
         while i < len(arrivals) and arrivals[i].t <= now:
             a = arrivals[i]
             engine.add_request(None, a.prompt, SamplingParams(max_tokens=a.max_tokens,
-                                                              ignore_eos=True),
+                                                              ignore_eos=True, **sampling),
                                arrival_time=origin + a.t, tier=a.tier)
             i += 1
         if engine.has_unfinished_requests():

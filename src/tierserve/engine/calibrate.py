@@ -39,6 +39,7 @@ from pathlib import Path
 
 from tierserve.core.stats import StatsCollector
 from tierserve.core.step_time import StepTimeModel
+from tierserve.model.generation import request_sampling
 from tierserve.sampling_params import SamplingParams
 
 
@@ -51,7 +52,8 @@ def calibration_batches(max_num_seqs: int, max_len: int,
     batches = [(1, min(n, max_len - 2), 1) for n in (32, 128, 384)]  # lone prefills
     for ctx, sizes in ((short, DECODE_BATCHES), (long, LONG_DECODE_BATCHES)):
         for b in sorted({min(b, max_num_seqs) for b in sizes}):  # decodes: size x context
-            batches.append((b, ctx, min(b * ctx // budget + DECODE_STEPS, 60)))
+            steps = SMALL_DECODE_STEPS if b <= 4 else DECODE_STEPS
+            batches.append((b, ctx, min(b * ctx // budget + steps, 60)))
     return batches
 
 
@@ -64,6 +66,11 @@ DECODE_STEPS = 8
 most of an engine's steps are decodes of 1-16 sequences (70% of them at 0.5 req/s in
 benchmarks/sim_accuracy.py); with batches of 1, 8 and 32 and 4 such steps each, the
 grid held 50 decode steps of 211 and the fit missed lone decodes by 5-9%."""
+SMALL_DECODE_STEPS = 24
+"""For batches of 1-4: with 8 steps each the grid held 22 lone decode steps of 221
+(2% of its time) and the relative fit put them 7% short on a 2-core Zen 5, while lone
+decodes are 25-45% of the engine's time at 0.5-1 req/s (benchmarks/sim_accuracy.py).
+16 more steps at each of 5 such cells cost about 1 s."""
 
 
 def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False) -> StepTimeModel:
@@ -79,7 +86,10 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
     acc.sinks, acc.metering = [collector], None
     counters = (engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens)
     vocab = engine.shape.vocab_size
-    params = SamplingParams(temperature=0.0, ignore_eos=True)
+    # sampled as a request that sets no sampling field is (the model's defaults): the
+    # sampler is part of a step, 4-15% of a 16-row decode step at temperature 1 or
+    # SmolLM2's 0.2 / 0.9 on a 2-core Zen 5 (benchmarks/sample_kernel.py)
+    params = SamplingParams(ignore_eos=True, **request_sampling(engine.generation_defaults))
     samples = []
     try:
         _run_batch(engine, 2, 64, 2, rng, vocab, params, collector, [], False)  # warm-up
@@ -150,10 +160,11 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 """Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
 chunks on the paged kernel; 4: back on torch's attention; 5: a prefill chunk's own cost
-and more decode steps): older files are then not read."""
+and more decode steps; 6: sampled as a default request, more small decode steps): older
+files are then not read."""
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:

@@ -78,3 +78,11 @@ def _read(path: str) -> dict:
 
 def describe(defaults: dict) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in defaults.items()) or "none"
+
+
+def request_sampling(defaults: dict) -> dict:
+    """The SamplingParams fields a request that gives no sampling field gets from a model's
+    defaults (max_tokens aside): what calibration and the benchmarks' workloads sample
+    with, so their steps pay the sampler a real request pays."""
+    return {k: v for k, v in defaults.items()
+            if k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
