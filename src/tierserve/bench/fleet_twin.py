@@ -16,10 +16,13 @@ twin's gateway adapts to the same ones) in a process of its own.
 Each replica is timed through its API as the fleet reaches it: `tierserve calibrate
 --backend URL` pointed at a gateway over that replica alone (what the simulator takes its
 step durations from; timed straight at the replica, the twin missed the relay and the
-gateway's share of the cores: TTFT 24-41% and TPOT 15-41% short). The twin's replicas plan with what the real
-ones plan with: a tierserve replica's own calibration (the cached file its log names)
-and its cap (its log's); a vLLM replica plans with nothing (priority order, no cap), as
-vLLM does.
+gateway's share of the cores: TTFT 24-41% and TPOT 15-41% short). While a replica is
+calibrated, the others serve their share of the workload (rate / replicas, another
+seed) through a gateway of their own, since in the fleet run they share the cores (with
+them idle the twin was 26% fast at the median; with them busy, 4.5%). The twin's
+replicas plan with what the real ones plan with: a tierserve replica's own calibration
+(the cached file its log names) and its cap (its log's); a vLLM replica plans with
+nothing (priority order, no cap), as vLLM does.
 
 The workload: Poisson arrivals at `--rate`, tiers priority 20% / flex 30% / default 50%,
 prompts of 32-256 random token ids (no prefix is shared), 16-96 output tokens, EOS
@@ -163,14 +166,6 @@ def _log_value(proc: Proc, pattern: str) -> str:
     return found.group(1)
 
 
-def _calibrate(url: str, out: str):
-    from tierserve.core.step_time import StepTimeModel
-
-    subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--backend", url,
-                    "--out", out, "--repeats", "1"], check=True)
-    return StepTimeModel.load(out)
-
-
 def tierserve_fleet(args) -> tuple[list[Proc], list[dict]]:
     from tierserve.core.step_time import StepTimeModel
 
@@ -195,16 +190,64 @@ def tierserve_fleet(args) -> tuple[list[Proc], list[dict]]:
     return procs, specs
 
 
-def calibrate_through_gateway(specs: list[dict], kind: str, model: str, flow: dict) -> None:
+def calibrate_through_gateway(specs: list[dict], kind: str, model: str, flow: dict,
+                              background: list[dict]) -> None:
     """Each replica timed as requests reach it in the fleet: through a gateway (of that
-    replica alone), so its relay and its share of the two cores are in the profile."""
+    replica alone), so its relay and its share of the two cores are in the profile; and,
+    where the fleet has more than one replica, while the others serve `background` (open
+    loop, over and over) through a gateway of their own, as they do in the fleet run."""
     for i, s in enumerate(specs):
         gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
                        "max_num_seqs": s["max_num_seqs"]}], flow)
+        others = [o for o in specs if o is not s]
+        busy = gateway([{"url": o["url"], "kind": kind, "models": [model],
+                         "max_num_seqs": o["max_num_seqs"]} for o in others],
+                       flow) if others else None
         try:
-            s["model"] = _calibrate(gw.url, f"/tmp/fleet-twin-{kind}-r{i}.json")
+            s["model"] = asyncio.run(_calibrate_beside(
+                gw.url, f"/tmp/fleet-twin-{kind}-r{i}.json",
+                busy.url if busy else None, background, model))
         finally:
             gw.stop()
+            if busy:
+                busy.stop()
+
+
+async def _calibrate_beside(url: str, out: str, busy_url: str | None,
+                            background: list[dict], model: str):
+    """`tierserve calibrate --backend url` while `background` is replayed at `busy_url`
+    until it ends."""
+    from tierserve.core.step_time import StepTimeModel
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tierserve.cli", "calibrate", "--backend", url, "--out", out,
+        "--repeats", "1")
+    load = asyncio.ensure_future(_load_until(proc, busy_url, background, model)) \
+        if busy_url else None
+    code = await proc.wait()
+    if load is not None:   # the background's requests in flight are hung up on
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+    if code:
+        raise RuntimeError(f"calibrate --backend {url} failed (exit {code})")
+    return StepTimeModel.load(out)
+
+
+async def _load_until(proc, url: str, arrivals: list[dict], model: str) -> None:
+    """`arrivals` replayed at `url` over and over (open loop) until cancelled."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        while proc.returncode is None:
+            start = time.perf_counter()
+
+            async def one(a: dict) -> None:
+                await asyncio.sleep(max(0.0, a["t"] - (time.perf_counter() - start)))
+                try:
+                    await one_request(client, url, model, a["prompt"], a["max_tokens"],
+                                      tier=a["tier"])
+                except (RuntimeError, httpx.HTTPError):
+                    pass
+            await asyncio.gather(*(one(a) for a in arrivals))
 
 
 def vllm_fleet(args) -> tuple[list[Proc], list[dict]]:
@@ -227,7 +270,9 @@ def run(args) -> None:
         gw = None
         try:
             kind, model = ("tierserve", MODEL) if name == "tierserve" else ("vllm", VLLM_MODEL)
-            calibrate_through_gateway(specs, kind, model, flow_raw)
+            # the other replicas' share of the fleet's arrivals, as background
+            background = workload(args.rate / len(specs), args.requests, args.bench_seed + 1)
+            calibrate_through_gateway(specs, kind, model, flow_raw, background)
             gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
                            "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept
