@@ -143,8 +143,11 @@ def test_wide_inputs_dequantize_4_bit_weights_in_cpp_as_torch_does():
     """Without AVX-512 VNNI, above 96 rows (a prefill) the lean step dequantizes a 4-bit
     layer once, in C++, and runs one dense matmul: the matrix must be the one quant.py's
     torch ops compute."""
-    from tierserve.model.quant import GROUP_SIZE, QuantLinear
+    from tierserve.model.quant import GROUP_SIZE, QuantLinear, _int4_layout_known
 
+    if not _int4_layout_known():
+        pytest.skip("torch packs int4 for this CPU (no AVX-512) in a layout quant.py does "
+                    "not read: its layers keep torch's kernel at every width")
     gen = torch.Generator().manual_seed(3)
     n, k = 192, 6 * GROUP_SIZE
     layer = QuantLinear.int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),

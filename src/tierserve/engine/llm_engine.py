@@ -58,6 +58,7 @@ class LLMEngine:
         else:
             from tierserve.model.metadata import default_model_path, read_shape
             shape = read_shape(mc.model or default_model_path(), mc.load_format)
+        widened = _widen_bf16(mc)
         dtype_bytes = 4 if mc.dtype == "float32" else 2
         num_blocks = cc.num_kv_blocks or int(
             cc.kv_cache_memory_gb * 2**30 // (shape.kv_bytes_per_token(dtype_bytes) * cc.block_size))
@@ -69,6 +70,11 @@ class LLMEngine:
         if not config.scheduler.enable_chunked_prefill:  # a (re)computed prompt must fit a step
             self.max_model_len = min(self.max_model_len, config.scheduler.max_num_batched_tokens)
         say = progress or (lambda line: None)
+        if widened:
+            say("bfloat16 computes in float32 here: this CPU has no bfloat16 matmul (oneDNN "
+                "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where torch's bf16 linear layers "
+                "run 4-8x slower than float32 at 64-512 rows (2-core EPYC Zen 3, AVX2); the "
+                "bf16 weights are exact in float32")
         say(f"loading weights of {mc.model or 'the default model'} ({mc.dtype}, {mc.device})")
         self.loaded = load_model(mc, max_positions=self.max_model_len)
         say(f"loaded {self.loaded.shape.num_params / 1e6:.0f}M parameters; loading tokenizer")
@@ -79,7 +85,7 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if mc.quantization == "none" and mc.device == "cpu" and \
                 str(self.loaded.source).endswith(".gguf"):
-            say("weights in bfloat16 (--quantization none); --quantization gguf keeps this "
+            say(f"weights in {mc.dtype} (--quantization none); --quantization gguf keeps this "
                 "file's 4-bit blocks packed: on a CPU about 2.3x bf16's tokens/s at one "
                 "stream and level with it at 16-64 streams, where bf16's prompts start "
                 "sooner (docs/benchmarks.md; `make serve` uses gguf)")
@@ -299,3 +305,17 @@ class LLMEngine:
         self._tracked.pop(tracked.request.request_id, None)
         self.runner.remove_request(tracked.request.request_id)
         self.core.finish(tracked.request, now)
+
+
+def _widen_bf16(mc) -> bool:
+    """An unquantized bfloat16 model on a CPU without bfloat16 matmul (AVX2 only) is run in
+    float32 (mc.dtype set so); True if so. Quantized models keep bfloat16 activations:
+    their layers are quant.py's kernels, not oneDNN's."""
+    if mc.dtype != "bfloat16" or mc.device != "cpu" or mc.quantization != "none":
+        return False
+    from tierserve.model.cpu_linear import packs_bf16
+
+    if packs_bf16():
+        return False
+    mc.dtype = "float32"
+    return True
