@@ -2,14 +2,16 @@
 model's logits, and whole decode steps with each beside greedy ones, side by side.
 
     python benchmarks/sample_kernel.py [--streams 16] [--tokens 24] [--rounds 3]
-        [--quantization gguf] [--sampling 1,1 --sampling 0.2,0.9]
+        [--quantization gguf] [--sampling 1,1 --sampling 0.2,0.9] [--rev REV]
 
 For each `--sampling TEMPERATURE,TOP_P`: the rows the sampler is given in `--streams`
 decode steps are recorded, then each recorded call is timed with both paths (ms per call,
 median), and the decode steps of `--streams` requests are timed with torch's path, the
 kernel and greedy decoding, alternating `--rounds` times so drift falls on all alike.
 Prints one line per setting: the config, ms per call each way, the median decode step
-each way, and sampling's cost over a greedy step.
+each way, and sampling's cost over a greedy step. With `--rev`, the kernel as git REV
+holds it (compiled beside the working tree's, as benchmarks/kernel_ab.py does) is a third
+path in both, for a before/after in one run.
 """
 
 import argparse
@@ -29,6 +31,8 @@ def main() -> int:
     ap.add_argument("--sampling", action="append", default=None, metavar="T,TOP_P",
                     help="temperature and top_p, repeatable (default: 1,1 and 0.2,0.9: "
                          "OpenAI's defaults and SmolLM2's)")
+    ap.add_argument("--rev", default=None,
+                    help="also time the sampling kernel as this git revision holds it")
     args = ap.parse_args()
 
     import torch
@@ -52,6 +56,20 @@ def main() -> int:
         u = torch.tensor([1.0 - torch.rand(1, generator=s.generator).item() for s in states])
         return sampler._sample_torch(logits, [s.params for s in states], u)
 
+    paths = {"torch": torch_only, "kernel": with_kernel}
+    if args.rev:
+        from kernel_ab import build, source_at
+
+        before = build(source_at(args.rev))
+
+        def at_rev(logits, states):
+            saved, kernels._KERNEL = kernels._KERNEL, before
+            try:
+                return with_kernel(logits, states)
+            finally:
+                kernels._KERNEL = saved
+        paths[f"kernel@{args.rev}"] = at_rev
+
     greedy = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     for setting in args.sampling or ["1,1", "0.2,0.9"]:
         t, p = (float(x) for x in setting.split(","))
@@ -65,29 +83,32 @@ def main() -> int:
 
         sampler._sample_random = recording
         decode_steps(engine, params, args.streams, args.tokens)  # warm-up, and the rows
-        steps = {"torch": [], "kernel": [], "greedy": []}
+        steps = {name: [] for name in (*paths, "greedy")}
         for _ in range(args.rounds):
-            for name, fn in (("torch", torch_only), ("kernel", with_kernel)):
+            for name, fn in paths.items():
                 sampler._sample_random = fn
                 steps[name] += decode_steps(engine, params, args.streams, args.tokens)
             steps["greedy"] += decode_steps(engine, greedy, args.streams, args.tokens)
         sampler._sample_random = with_kernel
-        ms = {"torch": [], "kernel": []}
+        ms = {name: [] for name in paths}
         for logits, states in recorded:
-            for name, fn in (("torch", torch_only), ("kernel", with_kernel)):
+            for name, fn in paths.items():
                 begin = time.perf_counter()
                 fn(logits.clone(), states)
                 ms[name].append((time.perf_counter() - begin) * 1e3)
         call = {k: statistics.median(v) for k, v in ms.items()}
         step = {k: statistics.median(v) * 1e3 for k, v in steps.items()}
+        calls = ", ".join(f"{k} {v:.3f}" for k, v in call.items())
+        ratios = ", ".join(f"{k} {call['torch'] / v:.1f}x" for k, v in call.items()
+                           if k != "torch")
+        steps_ms = ", ".join(f"{k} {v:.2f} ms" for k, v in step.items())
+        over = ", ".join(f"{k} {v / step['greedy'] - 1:+.1%}" for k, v in step.items()
+                         if k != "greedy")
         print(f"sample_kernel cpu={cpu_model()!r} quantization={args.quantization} "
               f"streams={args.streams} temperature={t:g} top_p={p:g} calls={len(recorded)} "
-              f"rows={recorded[-1][0].shape[0] if recorded else 0} | ms per call torch "
-              f"{call['torch']:.3f} kernel {call['kernel']:.3f} ({call['torch'] / call['kernel']:.1f}x)"
-              f" | decode step median torch {step['torch']:.2f} ms, kernel {step['kernel']:.2f} "
-              f"ms, greedy {step['greedy']:.2f} ms (sampling's cost over greedy: torch "
-              f"{step['torch'] / step['greedy'] - 1:+.1%}, kernel "
-              f"{step['kernel'] / step['greedy'] - 1:+.1%})", flush=True)
+              f"rows={recorded[-1][0].shape[0] if recorded else 0} | ms per call {calls} "
+              f"(torch's over each: {ratios}) | decode step median {steps_ms} (sampling's "
+              f"cost over greedy: {over})", flush=True)
     return 0
 
 

@@ -229,21 +229,22 @@ def test_the_sampling_kernel_keeps_every_token_of_wide_flat_nuclei():
         _draws_follow_the_nucleus(torch.randn(width, generator=gen) * 0.5, 1.0, top_p)
 
 
-def test_the_kernel_and_torch_draw_the_same_token_for_the_same_uniform():
-    # at top_p 1 both walk the vocabulary in order to where the running sum reaches u Z,
-    # so a seeded request draws what it drew before the kernel (all but a draw that float
-    # rounding moves across a boundary, about one in 10^5)
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_kernel_and_torch_draw_the_same_token_for_the_same_uniform(top_p):
+    # both walk the kept tokens in vocabulary order to where the running sum reaches u
+    # times their mass, so a seeded request draws what it drew before the kernel (all but
+    # a draw that float rounding moves across a boundary)
     from tierserve.worker.sampler import _sample_torch
 
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(64, 1000, generator=gen)
     u = torch.rand(64, generator=gen).clamp_min(1e-6)
-    params = [SamplingParams(temperature=1.0) for _ in range(64)]
+    params = [SamplingParams(temperature=1.0, top_p=top_p) for _ in range(64)]
     ref = _sample_torch(logits.clone(), params, u)
     from tierserve.model import kernels
 
     kernel = kernels.load()
     if kernel is None:
         pytest.skip("the CPU kernels are not built here")
-    got = kernel.sample_rows(logits.clone(), torch.ones(64), torch.ones(64), u)
+    got = kernel.sample_rows(logits.clone(), torch.ones(64), torch.full((64,), top_p), u)
     assert int((got == ref).sum()) >= 63
