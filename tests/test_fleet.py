@@ -351,8 +351,11 @@ def test_the_fleet_twin_routes_a_recorded_arrival_sequence_as_the_gateway_did(re
         plan.append((1.0, g, tier, 40, 8))       # again: each to where its prefix is
     plan.append((1.0, 0, "default", 200, 8))     # a burst of one group within a prefill:
     plan += [(0.005, 0, "default", 200, 8)] * 3  # the queued prefill outweighs the prefix
-    plan.append((3.0, 1, "default", 40, 100))    # a long one, then beside it as it
-    plan.append((0.8, 1, "priority", 40, 8))     # decodes: its prefix outweighs one decode
+    # a long one once the burst has drained, then beside it as it decodes: its prefix
+    # outweighs one decode (gaps for a one-thread float32 replica on an AVX2 CPU, where
+    # 3 s and 0.8 s caught it still prefilling, and for a fast one, still decoding)
+    plan.append((6.0, 1, "default", 40, 200))
+    plan.append((1.5, 1, "priority", 40, 8))
     plan.append((0.05, 2, "default", 40, 8))
     ledger = {}
     flow = FlowConfig(priority_ttft_s=1.0, priority_tpot_s=0.15)
