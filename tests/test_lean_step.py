@@ -89,9 +89,7 @@ def test_lean_prefill_is_as_close_to_float32_as_the_python_path():
     the GGUF file's 4-bit weights the lean kernel rounds each layer's inputs to int8 per
     group of 32 (as llama.cpp does), which may cost a little: at most 0.003 more (about
     0.0014 measured, against about 0.002 for the 4-bit weights themselves)."""
-    import copy
-
-    from tierserve.model.cpu_linear import pack_linears
+    from tierserve.model.cpu_linear import pack_linears, unpacked_copy
     from tierserve.model.gguf_quant import quantize_model
     from tierserve.model.llama import AttentionMetadata, PrefillChunk
 
@@ -117,7 +115,7 @@ def test_lean_prefill_is_as_close_to_float32_as_the_python_path():
 
     p = log_probs(ref, False)
     for method in (None, "gguf"):
-        model = copy.deepcopy(ref).to(torch.bfloat16)
+        model = unpacked_copy(ref).to(torch.bfloat16)
         if method:
             quantize_model(model, method, engine.loaded.source)
         pack_linears(model)

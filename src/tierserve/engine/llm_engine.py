@@ -74,7 +74,8 @@ class LLMEngine:
             say("bfloat16 computes in float32 here: this CPU has no bfloat16 matmul (oneDNN "
                 "needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT), where torch's bf16 linear layers "
                 "run 4-8x slower than float32 at 64-512 rows (2-core EPYC Zen 3, AVX2); the "
-                "bf16 weights are exact in float32")
+                "bf16 weights are exact in float32, packed by oneDNN (1.4-3.1x torch's "
+                "float32 decode step at 1-16 streams there)")
         say(f"loading weights of {mc.model or 'the default model'} ({mc.dtype}, {mc.device})")
         self.loaded = load_model(mc, max_positions=self.max_model_len)
         say(f"loaded {self.loaded.shape.num_params / 1e6:.0f}M parameters; loading tokenizer")
