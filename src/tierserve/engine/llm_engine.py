@@ -86,10 +86,16 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if mc.quantization == "none" and mc.device == "cpu" and \
                 str(self.loaded.source).endswith(".gguf"):
+            from tierserve.model.cpu_linear import packs_bf16
+
             say(f"weights in {mc.dtype} (--quantization none); --quantization gguf keeps this "
-                "file's 4-bit blocks packed: on a CPU about 2.3x bf16's tokens/s at one "
-                "stream and level with it at 16-64 streams, where bf16's prompts start "
-                "sooner (docs/benchmarks.md; `make serve` uses gguf)")
+                "file's 4-bit blocks packed: " + (
+                    "on this CPU (no AVX-512) 1.7x float32's tokens/s at one stream over "
+                    "HTTP, behind it from 16 streams, where torch's 4-bit kernel is slow at "
+                    "many rows (2-core EPYC Zen 3" if not packs_bf16() else
+                    "on a CPU about 2.3x bf16's tokens/s at one stream and level with it at "
+                    "16-64 streams, where bf16's prompts start sooner (2-core EPYC Zen 5")
+                + "; docs/benchmarks.md; `make serve` uses gguf)")
         from tierserve.model.generation import describe, generation_defaults
         self.generation_defaults, source = generation_defaults(
             mc.generation_config, None if mc.load_format == "dummy" else self.loaded.source,
