@@ -27,14 +27,18 @@ _BATCH_HINT = 16  # oneDNN picks the blocked layout for this batch size; good fr
 _PACKS: bool | None = None
 
 
+def _has_onednn() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 def packs_bf16() -> bool:
     """Whether this CPU's oneDNN packs bfloat16 weights: it needs AVX-512 BW/VL/DQ or
     AVX-NE-CONVERT, and refuses on an AVX2-only CPU (a 2-core EPYC Zen 3, for one).
     Asked once, of oneDNN itself."""
     global _PACKS
     if _PACKS is None:
-        _PACKS = (torch.backends.mkldnn.is_available()
-                  and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        _PACKS = _has_onednn()
         if _PACKS:
             try:
                 torch.ops.mkldnn._reorder_linear_weight(
@@ -47,19 +51,13 @@ def packs_bf16() -> bool:
 def packs_float32() -> bool:
     """Whether float32 weights are packed here: where bfloat16 ones cannot be (see the
     note) and oneDNN is there to pack them."""
-    return (not packs_bf16() and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return not packs_bf16() and _has_onednn()
 
 
 def packs(dtype: torch.dtype) -> bool:
     """Whether linear layers with weights of `dtype` are packed on this CPU."""
     return (dtype == torch.bfloat16 and packs_bf16()) or \
         (dtype == torch.float32 and packs_float32())
-
-
-def can_pack(model: nn.Module) -> bool:
-    param = next(model.parameters())
-    return param.device.type == "cpu" and packs(param.dtype)
 
 
 class PackedLinear(nn.Module):

@@ -10,7 +10,7 @@ import torch
 from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
 from tierserve.errors import InvalidRequestError
 from tierserve.model import cpu_attention, cpu_step, kernels
-from tierserve.model.cpu_linear import can_pack, pack_linears
+from tierserve.model.cpu_linear import pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
 from tierserve.sampling_params import SamplingParams
 from tierserve.worker.grammar import GrammarState
@@ -25,8 +25,7 @@ def _decodes(seq: ScheduledSeq) -> bool:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
-        if can_pack(model):
-            pack_linears(model)
+        pack_linears(model)  # where this CPU packs the weights' dtype (cpu_linear)
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
