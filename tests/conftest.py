@@ -75,6 +75,9 @@ def check_scheduler_invariants(scheduler: Scheduler, out: SchedulerOutput) -> No
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     held = sum(len(r.block_table) for r in scheduler.requests.values())
     assert held == sum(b.ref_count for b in bm.blocks)
+    waiting = [r for r in scheduler.requests.values() if r not in scheduler.running]
+    assert scheduler.num_waiting == len(waiting)
+    assert scheduler._waiting_default == sum(r.tier == Tier.DEFAULT for r in waiting)
 
 
 # ------------------------------------------------------------- real model

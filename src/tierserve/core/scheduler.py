@@ -177,6 +177,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._waiting: list[tuple[tuple, int, Request]] = []  # heap by policy key
         self._num_waiting = 0
+        self._waiting_default = 0  # of them, default-tier (the decode cap's floor reads it)
         self._arrivals = 0
         self._clock_rules = TierClock()  # flex and default in arrival order
         self.num_preemptions = 0
@@ -217,6 +218,7 @@ class Scheduler:
         if request.num_prompt_tokens >= self.max_len(request.tier):
             self._too_long.append(request)  # waiting until the next schedule() ends it
             self._num_waiting += 1
+            self._waiting_default += request.tier == Tier.DEFAULT
             return
         self._push_waiting(request)
         if self.policy.tiered:
@@ -234,6 +236,7 @@ class Scheduler:
             self.running.remove(request)
         elif not request.is_finished:
             self._num_waiting -= 1  # stays in the heap; skipped when it surfaces
+            self._waiting_default -= request.tier == Tier.DEFAULT
         request.status = status
         self.block_manager.free(request)
         if self.proposer is not None:
@@ -258,8 +261,10 @@ class Scheduler:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = self._pending_decode_s()
             if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps
+                streams = sum(map(self._is_decoding, self.running))
                 step.time_limit_s = self.caps.floor_s(step.time_limit_s,
-                                                      step.time_s + step.pending_decode_s)
+                                                      step.time_s + step.pending_decode_s,
+                                                      self._waiting_default, streams)
             step.priority_starting = self.caps.starting(self._num_priority > sum(
                 r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running))
         self._schedule_running(step)
@@ -546,6 +551,7 @@ class Scheduler:
         """Queue under the policy's key; `again`: re-key a request already counted."""
         heapq.heappush(self._waiting, (self.policy.key(request), request.arrival_seq, request))
         self._num_waiting += not again
+        self._waiting_default += not again and request.tier == Tier.DEFAULT
 
     def _peek_waiting(self) -> Request:
         while not self._is_current(self._waiting[0]):
@@ -562,4 +568,5 @@ class Scheduler:
         request = self._peek_waiting()
         heapq.heappop(self._waiting)
         self._num_waiting -= 1
+        self._waiting_default -= request.tier == Tier.DEFAULT
         return request

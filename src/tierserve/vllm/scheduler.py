@@ -257,7 +257,8 @@ class TieredScheduler(AsyncScheduler):
             return None, []
         decode_s = sum(model.seq_cost_s(1, r.num_computed_tokens + 1) for r in decoding)
         if decode_cap:
-            limit = self.caps.floor_s(limit, model.fixed_s + decode_s)
+            prompts = sum(self.shadow[r.request_id].tier == Tier.DEFAULT for r in self.waiting)
+            limit = self.caps.floor_s(limit, model.fixed_s + decode_s, prompts, len(decoding))
         head = self.waiting.head()
         first_token = head is not None and self.shadow[head.request_id].tier == Tier.PRIORITY
         first_token = first_token or any(
