@@ -383,3 +383,42 @@ def test_an_unsupported_vllm_is_refused_with_one_clear_line():
     assert out.returncode != 0
     line = out.stderr.strip().splitlines()[-1]
     assert "supports vLLM 0.32.x" in line and "0.33.0" in line, out.stderr[-500:]
+
+
+def test_the_plugins_decode_cap_floor_counts_prompts_as_the_engine_does():
+    """Inside vLLM the cap's floor counts what tierserve's engine counts: default-tier
+    prompts prefilling, and those waiting that a free slot could start (below the
+    priority reserve); other tiers and decoding streams do not count."""
+    if not (VENV / "bin" / "python").exists():
+        pytest.skip("no vLLM virtualenv here (make vllm-install)")
+    code = """
+from types import SimpleNamespace as NS
+from tierserve.tiers import Tier
+from tierserve.vllm.scheduler import TieredScheduler
+from tierserve.vllm.tier_queue import TierQueue
+
+def req(rid, computed=0, prompt=10):
+    return NS(request_id=rid, num_computed_tokens=computed, num_prompt_tokens=prompt)
+
+s = object.__new__(TieredScheduler)
+s.shadow = {}
+running = [req("s1", 10), req("s2", 12), req("p1", 4), req("b1", 3)]
+waiting = [req(f"w{i}") for i in range(5)] + [req("wb0"), req("wb1")]
+for r in running + waiting:
+    s.shadow[r.request_id] = NS(tier=Tier.BATCH if "b" in r.request_id else Tier.DEFAULT)
+s.running = running
+s.waiting = TierQueue(lambda r: 0, lambda r: True)
+for r in waiting:
+    s.waiting.add_request(r)
+s.tiers = NS(reserved_priority_seqs=1)
+out = []
+for slots in (8, 5, 16):
+    s.max_num_running_reqs = slots
+    out.append(s._floor_prompts())
+print(out)
+"""
+    got = subprocess.run([str(VENV / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-800:]
+    # p1 prefills; free slots 8 - 1 - 4 = 3 of the 5 waiting, 5 - 1 - 4 = 0, then all 5
+    assert got.stdout.strip().splitlines()[-1] == "[4, 1, 6]"

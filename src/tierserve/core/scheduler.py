@@ -44,7 +44,9 @@ NOTE: the step-time cap (tiered)
     request about, steps that carry anyone's decodes keep to a looser cap
     (`decode_time_limit_s`, 2.5 times the priority cap by default) by the same rules, so one
     long prompt's prefill chunks do not stall every stream in flight; where the decodes
-    alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time.
+    alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time, and
+    where more default-tier prompts could start or are prefilling than streams decode,
+    (1 + prompts / streams) times (a burst's prompts each get a stream's share).
 
 Why one file of about 550 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
@@ -261,10 +263,9 @@ class Scheduler:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = self._pending_decode_s()
             if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps
-                streams = sum(map(self._is_decoding, self.running))
                 step.time_limit_s = self.caps.floor_s(step.time_limit_s,
                                                       step.time_s + step.pending_decode_s,
-                                                      self._waiting_default, streams)
+                                                      *self._prompts_and_streams())
             step.priority_starting = self.caps.starting(self._num_priority > sum(
                 r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running))
         self._schedule_running(step)
@@ -460,6 +461,18 @@ class Scheduler:
                     context += total
         m = self.step_time_model
         return num * (m.per_seq_s + m.per_token_s) + m.per_kv_token_s * context
+
+    def _prompts_and_streams(self) -> tuple[int, int]:
+        """(default-tier prompts that could use this step: those prefilling and those
+        waiting that a free slot could start, the running decodes), for the cap's floor."""
+        streams = prefilling = 0
+        for r in self.running:
+            if self._is_decoding(r):
+                streams += 1
+            elif r.tier == Tier.DEFAULT:
+                prefilling += 1
+        free = self.config.max_num_seqs - self.config.reserved_priority_seqs - len(self.running)
+        return prefilling + min(self._waiting_default, max(free, 0)), streams
 
     def _decode_cost_s(self, request: Request) -> float:
         return self.step_time_model.seq_cost_s(1, request.num_tokens)

