@@ -51,7 +51,9 @@ def test_a_vllm_replica_is_found_to_be_one_and_its_models_learned(vllm):
     from tierserve.router.remote import ReplicaSpec, discover
 
     found = ReplicaSpec.parse(vllm + "/v1", 0)
-    line = discover(found)
+    # 30 s: vLLM's /server_info writes out its whole config, and on a loaded 2-core
+    # machine that once took longer than discovery's default 3 s (a CI run, Zen 3)
+    line = discover(found, timeout_s=30)
     assert found.kind == "vllm" and found.models == [MODEL], line
     assert found.max_num_seqs == 32 and "32 slots (from /server_info)" in line, line
 

@@ -336,7 +336,9 @@ def test_a_gateway_finds_the_plugin_holds_nothing_back_and_bills_the_exact_cost(
 
     url, _ = replicas
     found = ReplicaSpec.parse(url, 0)
-    line = discover(found)  # its slot count, from the plugin's own /tierserve/v1/info
+    # its slot count, from the plugin's own /tierserve/v1/info (30 s: a loaded 2-core
+    # machine can be slow to answer; discovery's default is 3)
+    line = discover(found, timeout_s=30)
     assert found.max_num_seqs == 4 and "4 slots (from /tierserve/v1/info)" in line, line
     gw = Gateway([ReplicaSpec(url, [MODEL], "vllm", name="plug", max_num_seqs=4,
                               price_per_hour=3.6)],
