@@ -1,5 +1,8 @@
 """Chaos: SIGKILL `tierserve serve` at awkward moments, restart it, check what must survive.
 
+About 410 lines, kept whole: the kill moments, the restart and the checks read the same
+server process, data dir and traffic record, and apart they would pass all three around.
+
 `--rounds` rounds on one data dir and ledger (in a temporary folder). Each round starts the
 server, sends mixed traffic (streams, whole requests, a batch job) and kills it with
 SIGKILL at a seeded moment of a seeded kind:

@@ -48,7 +48,7 @@ NOTE: the step-time cap (tiered)
     where more default-tier prompts could start or are prefilling than streams decode,
     (1 + prompts / streams) times (a burst's prompts each get a stream's share).
 
-Why one file of about 550 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 590 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
 the next request may take), so they share the `_Step` state and read best side by side;
 the step's update shares the queues and the block manager's invariants, checked together.
