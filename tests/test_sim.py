@@ -230,3 +230,31 @@ def test_sim_accuracy_sorts_steps_by_kind_and_reports_the_models_error_per_kind(
     line = step_residuals(model, steps)
     assert "decode x1 n=3" in line and "measured/predicted=1.00 (median 1.00)" in line
     assert "mixed x1 n=1" in line and "measured/predicted=2.00 (median 2.00)" in line
+
+
+def test_sim_accuracy_rounds_compare_cell_by_cell_medians():
+    """--repeats: the twin's and the engine's medians over rounds, cell by cell; a tier
+    one round lacks, or a cell it has no value for, does not pull the median."""
+    from tierserve.bench.sim_accuracy import CELLS, _cellwise_median, _compare
+
+    def fig(tok_s, ttft, tpot, flex=True):
+        cells = {k: (ttft if k.startswith("ttft") else tpot) for k in CELLS}
+        out = {"tok_s": tok_s, "priority": {**cells, "attainment": 1.0}}
+        if flex:
+            out["flex"] = {**{k: 2 * ttft for k in CELLS}, "tpot_p50": None,
+                           "attainment": 0.5}
+        return out
+
+    engines = _cellwise_median([fig(10, 0.1, 0.03), fig(30, 0.3, 0.01),
+                                fig(20, 0.2, 0.02, flex=False)])
+    assert engines["tok_s"] == 20
+    assert engines["priority"]["ttft_p50"] == 0.2 and engines["priority"]["tpot_p99"] == 0.02
+    assert engines["flex"]["ttft_p90"] == pytest.approx(0.4)  # median of the two rounds with flex
+    assert engines["flex"]["tpot_p50"] is None and engines["flex"]["attainment"] == 0.5
+    twins = _cellwise_median([fig(22, 0.21, 0.02), fig(18, 0.19, 0.03), fig(40, 0.5, 0.02)])
+    errors = {"headline": [], "points": []}
+    line = _compare({"tok_s": 20, "priority": engines["priority"]},
+                    {"tok_s": twins["tok_s"], "priority": twins["priority"]}, errors)
+    assert "tok/s 20.0/22.0 (10%)" in line
+    assert errors["headline"] == pytest.approx([0.05, 0.05, 0.0])  # TTFT p50, p90; TPOT p50
+    assert errors["points"] == [0.0]

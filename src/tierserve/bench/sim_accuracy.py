@@ -20,6 +20,14 @@ NOTE: the floor. `--floor` runs the engine a second time on the same arrivals. O
 shared 2-vCPU VM the same lone decode step wanders 16-24 ms from one second to the next
 (steal time 0-3%, so not visible to the guest), and near capacity that spread moves
 queueing delays a lot: the engine against itself is the bar no twin can pass here.
+
+NOTE: rounds. `--repeats N` runs each rate N times, each round calibrated right before
+its run, on the same arrivals. Besides every round's own errors it prints the twin's
+cell-by-cell median over the rounds against the engine's: the twin's own error, with
+the machine's drift between rounds (8-20% between calibrations minutes apart on 2-vCPU
+EPYCs) left to the medians. Every pair of rounds' engines counts as "the engine against
+itself", as --floor's two runs do. One round is a sample of the machine; a twin
+predicts what the machine does on average.
 """
 
 import argparse
@@ -55,6 +63,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also run the engine a second time on each rate's arrivals and "
                         "print how far its two runs are apart, cell by cell: the noise "
                         "floor under any twin's error on this machine")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds per rate (each calibrated right before its run, on the "
+                        "same arrivals); with 2 or more also compares the twin's and the "
+                        "engine's cell-by-cell medians over the rounds, and the rounds' "
+                        "engines pair by pair (the engine against itself, as --floor)")
 
 
 def figures(rows: list[dict], wall: float, slo: dict) -> dict:
@@ -81,7 +94,10 @@ def run(args) -> None:
     from tierserve.sim.cli import parse_list, parse_slo
 
     slo = parse_slo(args.slo or SLO_DEFAULT)
-    errors = {"headline": [], "all": [], "points": [], "floor": []}
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
+    errors = {"headline": [], "all": [], "points": [], "floor": [], "pooled": [],
+              "pooled_all": [], "pooled_points": []}
     for policy in parse_list(args.policies, str, "--policies"):
         _one_policy(args, policy, slo, errors)
     print(f"sim_accuracy policies={args.policies} rates={args.rates} median absolute error "
@@ -89,63 +105,101 @@ def run(args) -> None:
           f"<= 5%); with the p99s: {_median(errors['all']):.0%}; attainment at most "
           f"{max(errors['points'], default=0):.0f} points apart (target 5)"
           + (f"; the engine against itself: {_median(errors['floor']):.0%}"
-             if errors["floor"] else ""), flush=True)
+             if errors["floor"] else "")
+          + (f"; over {args.repeats} rounds (cell-by-cell medians): "
+             f"{_median(errors['pooled']):.1%}, with the p99s {_median(errors['pooled_all']):.1%}"
+             f", attainment at most {max(errors['pooled_points'], default=0):.0f} points apart"
+             if args.repeats > 1 else ""), flush=True)
 
 
 def _one_policy(args, policy: str, slo: dict, errors: dict) -> None:
-    from tierserve.bench.tiers import SYSTEM_PROMPT, make_workload, run_open_loop
-    from tierserve.config import SchedulerConfig
-    from tierserve.engine.calibrate import calibrate
+    from tierserve.bench.tiers import make_workload
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
+
+    engine = LLMEngine(engine_config(max_num_seqs=args.max_num_seqs, policy=policy))
+    for rate in [float(r) for r in args.rates.split(",")]:
+        arrivals = make_workload(rate, args.requests, args.bench_seed + int(rate * 10), 0.2, 0.3)
+        rounds = [_one_round(args, engine, policy, rate, arrivals, slo, errors)
+                  for _ in range(args.repeats)]
+        if args.repeats > 1:
+            engines, twins = _cellwise_median([r for r, _ in rounds]), _cellwise_median(
+                [s for _, s in rounds])
+            for i, (first, _) in enumerate(rounds):  # every pair: as --floor's two runs
+                for second, _ in rounds[i + 1:]:
+                    _compare(first, second, {"headline": errors["floor"]})
+            print(f"sim_accuracy policy={policy} rate={rate:g} median of {args.repeats} rounds "
+                  f"(engine/sim, abs error) | " + _compare(
+                      engines, twins, {"headline": errors["pooled"], "all": errors["pooled_all"],
+                                       "points": errors["pooled_points"]}), flush=True)
+
+
+def _one_round(args, engine, policy: str, rate: float, arrivals: list, slo: dict,
+               errors: dict) -> tuple[dict, dict]:
+    """Calibrate, run the engine on `arrivals`, run the twin on them; print the round's
+    line and return both figures."""
+    from tierserve.bench.tiers import SYSTEM_PROMPT, run_open_loop
+    from tierserve.config import SchedulerConfig
+    from tierserve.engine.calibrate import calibrate
     from tierserve.sim.loop import Simulator
     from tierserve.sim.workload import SimRequest
 
-    engine = LLMEngine(engine_config(max_num_seqs=args.max_num_seqs, policy=policy))
     model = engine.scheduler.step_time_model  # what the engine plans with (None: no cap)
     sc = engine.config.scheduler
-    for rate in [float(r) for r in args.rates.split(",")]:
-        began = time.perf_counter()
-        whole = calibrate(engine, whole_step=True)  # the simulator's steps: whole steps,
-        print(f"sim_accuracy policy={policy} rate={rate:g} whole-step model "  # measured
-              f"({time.perf_counter() - began:.0f} s to calibrate, just before the run): "
-              f"{whole.summary()}", flush=True)
-        arrivals = make_workload(rate, args.requests, args.bench_seed + int(rate * 10), 0.2, 0.3)
-        measured_steps = [] if args.steps else None
-        real = run_open_loop(engine, arrivals, measured_steps)
-        fr = figures(real["requests"], real["wall_s"], slo)
-        if args.steps:
-            print(f"sim_accuracy policy={policy} rate={rate:g} steps: "
-                  + step_residuals(whole, measured_steps), flush=True)
+    began = time.perf_counter()
+    whole = calibrate(engine, whole_step=True)  # the simulator's steps: whole steps,
+    print(f"sim_accuracy policy={policy} rate={rate:g} whole-step model "  # measured
+          f"({time.perf_counter() - began:.0f} s to calibrate, just before the run): "
+          f"{whole.summary()}", flush=True)
+    measured_steps = [] if args.steps else None
+    real = run_open_loop(engine, arrivals, measured_steps)
+    fr = figures(real["requests"], real["wall_s"], slo)
+    if args.steps:
+        print(f"sim_accuracy policy={policy} rate={rate:g} steps: "
+              + step_residuals(whole, measured_steps), flush=True)
+    engine.block_manager.reset_prefix_cache()
+    if args.floor:
+        again = run_open_loop(engine, arrivals)
         engine.block_manager.reset_prefix_cache()
-        if args.floor:
-            again = run_open_loop(engine, arrivals)
-            engine.block_manager.reset_prefix_cache()
-            print(f"sim_accuracy policy={policy} rate={rate:g} engine twice (first/second, "
-                  "abs difference): " + _compare(fr, figures(again["requests"],
-                                                             again["wall_s"], slo),
-                                                 {"headline": errors["floor"]}), flush=True)
-        sim = Simulator(SchedulerConfig(max_num_seqs=sc.max_num_seqs,
-                                        max_num_batched_tokens=sc.max_num_batched_tokens,
-                                        policy=sc.policy, priority_guard_s=sc.priority_guard_s,
-                                        default_aging_s=sc.default_aging_s,
-                                        flex_max_wait_s=sc.flex_max_wait_s),
-                        engine.block_manager.num_blocks, engine.block_manager.block_size,
-                        engine.max_model_len, whole, 0.1,
-                        step_time_limit_s=engine.scheduler.step_time_limit_s,
-                        plan_model=model)
-        result = sim.run([SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
-                                     shared_prefix=len(SYSTEM_PROMPT)) for a in arrivals])
-        simulated = [{"tier": r.tier.label, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
-                      "output_tokens": r.num_output_tokens} for r in result.requests]
-        first = min(r.arrival_time for r in result.requests)
-        fs = figures(simulated, max(r.finished_time for r in result.requests) - first, slo)
-        ratio = engine.scheduler.step_time_ratio if model is not None else None
-        print(f"sim_accuracy policy={policy} rate={rate:g} requests={args.requests} "
-              f"max_num_seqs={args.max_num_seqs} (engine/sim, abs error) | "
-              + _compare(fr, fs, errors)
-              + (f" | engine's measured/predicted step ratio {ratio:.2f}" if ratio else ""),
-              flush=True)
+        print(f"sim_accuracy policy={policy} rate={rate:g} engine twice (first/second, "
+              "abs difference): " + _compare(fr, figures(again["requests"],
+                                                         again["wall_s"], slo),
+                                             {"headline": errors["floor"]}), flush=True)
+    sim = Simulator(SchedulerConfig(max_num_seqs=sc.max_num_seqs,
+                                    max_num_batched_tokens=sc.max_num_batched_tokens,
+                                    policy=sc.policy, priority_guard_s=sc.priority_guard_s,
+                                    default_aging_s=sc.default_aging_s,
+                                    flex_max_wait_s=sc.flex_max_wait_s),
+                    engine.block_manager.num_blocks, engine.block_manager.block_size,
+                    engine.max_model_len, whole, 0.1,
+                    step_time_limit_s=engine.scheduler.step_time_limit_s,
+                    plan_model=model)
+    result = sim.run([SimRequest(a.t, a.tier, len(a.prompt), a.max_tokens,
+                                 shared_prefix=len(SYSTEM_PROMPT)) for a in arrivals])
+    simulated = [{"tier": r.tier.label, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s,
+                  "output_tokens": r.num_output_tokens} for r in result.requests]
+    first = min(r.arrival_time for r in result.requests)
+    fs = figures(simulated, max(r.finished_time for r in result.requests) - first, slo)
+    ratio = engine.scheduler.step_time_ratio if model is not None else None
+    print(f"sim_accuracy policy={policy} rate={rate:g} requests={args.requests} "
+          f"max_num_seqs={args.max_num_seqs} (engine/sim, abs error) | "
+          + _compare(fr, fs, errors)
+          + (f" | engine's measured/predicted step ratio {ratio:.2f}" if ratio else ""),
+          flush=True)
+    return fr, fs
+
+
+def _cellwise_median(runs: list[dict]) -> dict:
+    """Throughput and every tier's cells, each the median over `runs` (figures' dicts)."""
+    out = {"tok_s": statistics.median(r["tok_s"] for r in runs)}
+    for tier in TIERS:
+        have = [r[tier] for r in runs if tier in r]
+        if have:
+            out[tier] = {k: (statistics.median(vs) if (vs := [c[k] for c in have
+                                                              if c.get(k) is not None])
+                             else None)
+                         for k in have[0]}
+    return out
 
 
 def _compare(ref: dict, other: dict, errors: dict) -> str:
