@@ -258,3 +258,25 @@ def test_sim_accuracy_rounds_compare_cell_by_cell_medians():
     assert "tok/s 20.0/22.0 (10%)" in line
     assert errors["headline"] == pytest.approx([0.05, 0.05, 0.0])  # TTFT p50, p90; TPOT p50
     assert errors["points"] == [0.0]
+
+
+def test_a_plan_with_a_step_time_margin_assumes_slower_steps_and_refuses_a_bad_margin():
+    """plan --step-time-margin: the twin's steps take that much longer while its
+    scheduler plans with the model as calibrated; a negative margin is refused by name."""
+    from tierserve.sim.plan import Cell, Planner
+    from tierserve.sim.workload import make_workload
+
+    model = StepTimeModel(0.01, 0.001, 0.0002, per_chunk_s=0.003)
+    assert model.scaled(1.5).predict_s([(64, 64), (1, 80)]) == pytest.approx(
+        1.5 * model.predict_s([(64, 64), (1, 80)]))
+    slo = {"priority": (1.0, 0.1), "default": (4.0, 0.2)}
+    workload = make_workload("poisson:rate=4,n=60,priority=0.3")
+    cell = Cell("h100-sxm", "shared", 16, 512)
+    shape = preset("llama-3-8b")
+    plain = Planner(shape, slo).simulate(cell, 1, workload, slo)
+    slow = Planner(shape, slo, step_time_margin=0.5).simulate(cell, 1, workload, slo)
+    assert slow["makespan_s"] > plain["makespan_s"]
+    for tier in slo:
+        assert slow["tiers"][tier]["tpot_p50_s"] > 1.3 * plain["tiers"][tier]["tpot_p50_s"]
+    with pytest.raises(ConfigError, match="--step-time-margin"):
+        Planner(shape, slo, step_time_margin=-0.1)

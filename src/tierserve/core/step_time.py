@@ -81,6 +81,10 @@ class StepTimeModel:
         """Predicted time of a step of (num_tokens, context_len) sequences."""
         return self.fixed_s + sum(self.seq_cost_s(n, c) for n, c in seqs)
 
+    def scaled(self, factor: float) -> "StepTimeModel":
+        """Every step `factor` times as long (each coefficient scaled: the model is linear)."""
+        return StepTimeModel(*(getattr(self, f) * factor for f in FEATURES))
+
     def summary(self) -> str:
         """The coefficients in the units a person reads, and a lone decode step."""
         return (f"fixed {self.fixed_s * 1e3:.2f} ms/step, {self.per_seq_s * 1e3:.3f} ms/seq, "

@@ -159,7 +159,7 @@ def cmd_plan(args) -> int:
         return _plan_hybrid(args, slo)
     planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
                       args.block_size, args.router, args.dedicated_replicas,
-                      args.dedicated_max_num_seqs)
+                      args.dedicated_max_num_seqs, step_time_margin=args.step_time_margin)
     hardware = parse_list(args.hardware, str, "--hardware")
     # --forecast plans every hour, so its grid defaults are smaller (see PLAN_DEFAULTS)
     mode = "forecast" if args.forecast else "workload"
@@ -337,6 +337,10 @@ def add_parsers(sub) -> None:
                            "candidate (repeatable)")
     _add_model_args(plan)
     plan.add_argument("--max-replicas", type=int, default=4)
+    plan.add_argument("--step-time-margin", type=float, default=0.0, metavar="FRACTION",
+                      help="plan as if every step took this fraction longer than the "
+                           "hardware's model predicts (0); a machine that drifts from its "
+                           "calibration, such as a shared VM, needs the drift it shows")
     plan.add_argument("--max-num-seqs", default=None,
                       help="candidates (16,64,256; with --forecast 256)")
     plan.add_argument("--max-num-batched-tokens", default=None,

@@ -146,32 +146,39 @@ class Router:
 
 
 def make_simulator(machine: Machine, config: SchedulerConfig, fleet: FleetConfig,
-                   limit_s: float | None, progress=None, slo: dict | None = None) -> Simulator:
+                   limit_s: float | None, progress=None, slo: dict | None = None,
+                   step_time_margin: float = 0.0) -> Simulator:
     """A simulator of `fleet` replicas of `machine`, each scheduling with `config` (the
     dedicated ones as the server's dedicated engine does: fcfs, few slots, no cap).
-    `slo`: {tier: (ttft_s, tpot_s)}, the gateway router's signal."""
+    `slo`: {tier: (ttft_s, tpot_s)}, the gateway router's signal. `step_time_margin`:
+    every step takes that fraction longer than the machine's model says, while the
+    replicas plan with the model as calibrated (so their caps learn the ratio, as an
+    engine's do on a machine slower than its calibration)."""
     fleet.validate()
     m = machine
+    steps = m.model.scaled(1 + step_time_margin) if step_time_margin else m.model
+    plan = m.model if step_time_margin else None
     if fleet.replicas == 1 and fleet.router != "gateway":
-        return Simulator(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
+        return Simulator(config, m.num_blocks, m.block_size, m.max_model_len, steps,
                          m.price_per_hour, step_time_limit_s=limit_s or None,
-                         progress=progress)
+                         progress=progress, plan_model=plan)
     replicas = []
     if fleet.deployment == "dedicated":
         fast = replace(config, max_num_seqs=fleet.dedicated_max_num_seqs, policy="fcfs",
                        reserved_priority_seqs=0)
-        replicas += [Replica(fast, m.num_blocks, m.block_size, m.max_model_len, m.model,
+        replicas += [Replica(fast, m.num_blocks, m.block_size, m.max_model_len, steps,
                              m.price_per_hour, reserved_fraction=1.0, name=f"fast{i}",
-                             tiers=frozenset({"priority"}))
+                             tiers=frozenset({"priority"}), plan_model=plan)
                      for i in range(fleet.dedicated_replicas)]
         others = frozenset({"default", "flex", "batch"})
-        replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
-                             m.price_per_hour, name=f"main{i}", tiers=others)
+        replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, steps,
+                             m.price_per_hour, name=f"main{i}", tiers=others,
+                             plan_model=plan)
                      for i in range(fleet.replicas - fleet.dedicated_replicas)]
     else:
-        replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
+        replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, steps,
                              m.price_per_hour, step_time_limit_s=limit_s or None,
-                             name=f"r{i}") for i in range(fleet.replicas)]
+                             name=f"r{i}", plan_model=plan) for i in range(fleet.replicas)]
     if fleet.router == "gateway":
         ttft, tpot = (slo or {}).get("priority") or (None, None)
         flow = FlowConfig(reserved_priority_seqs=fleet.reserved_priority_seqs,

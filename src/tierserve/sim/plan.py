@@ -70,16 +70,22 @@ class Planner:
                  dtype_bytes: int = 2, block_size: int = 16, router: str = "least-tokens",
                  dedicated_replicas: int = 1, dedicated_max_num_seqs: int = 1,
                  policy: str = "tiered", seed: int = 0, step_time_profile: str | None = None,
-                 price_per_hour: float | None = None):
+                 price_per_hour: float | None = None, step_time_margin: float = 0.0):
         """`slo`: tier -> (ttft_s, tpot_s), either may be None; `step_time_profile`: a
         `tierserve calibrate` file instead of the roofline (its hardware is `cpu-local`,
-        priced at `price_per_hour`)."""
+        priced at `price_per_hour`); `step_time_margin`: plan as if every step took that
+        fraction longer than the model predicts (a machine that drifts from its
+        calibration; see make_simulator)."""
         if not slo:
             raise ConfigError("plan needs at least one --slo TIER=TTFT_S,TPOT_S")
         if not 0 < attainment <= 1:
             raise ConfigError(f"attainment must be in (0, 1], got {attainment}")
         if tp < 1:
             raise ConfigError(f"tp must be >= 1, got {tp}")
+        if not 0 <= step_time_margin < 10:
+            raise ConfigError(f"--step-time-margin must be a fraction in [0, 10), got "
+                              f"{step_time_margin:g}")
+        self.step_time_margin = step_time_margin
         self.shape, self.slo, self.attainment = shape, slo, attainment
         self.tp, self.dtype_bytes, self.block_size = tp, dtype_bytes, block_size
         self.fleet = FleetConfig(router=router, dedicated_replicas=dedicated_replicas,
@@ -110,7 +116,7 @@ class Planner:
                                  policy=self.policy)
         fleet = replace(self.fleet, replicas=replicas, deployment=cell.deployment)
         sim = make_simulator(machine, config, fleet, step_time_limit(machine.model, slo),
-                             slo=slo)
+                             slo=slo, step_time_margin=self.step_time_margin)
         self.num_simulations += 1
         try:
             return summarize(sim.run(workload), slo)
