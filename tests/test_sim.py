@@ -253,11 +253,13 @@ def test_sim_accuracy_rounds_compare_cell_by_cell_medians():
     assert engines["flex"]["tpot_p50"] is None and engines["flex"]["attainment"] == 0.5
     twins = _cellwise_median([fig(22, 0.21, 0.02), fig(18, 0.19, 0.03), fig(40, 0.5, 0.02)])
     errors = {"headline": [], "points": []}
-    line = _compare({"tok_s": 20, "priority": engines["priority"]},
-                    {"tok_s": twins["tok_s"], "priority": twins["priority"]}, errors)
+    line = _compare(engines, twins, errors)
     assert "tok/s 20.0/22.0 (10%)" in line
-    assert errors["headline"] == pytest.approx([0.05, 0.05, 0.0])  # TTFT p50, p90; TPOT p50
-    assert errors["points"] == [0.0]
+    assert "flex: ttft_p50 400/420ms (5%)" in line and "tpot_p50 -/-ms" in line
+    # priority's TTFT p50, p90 and TPOT p50, then flex's (its TPOT: no value, left out)
+    assert errors["headline"][:3] == pytest.approx([0.05, 0.05, 0.0])
+    assert errors["headline"][3:5] == pytest.approx([0.05, 0.05])
+    assert errors["points"] == [0.0, 0.0]
 
 
 def test_a_plan_with_a_step_time_margin_assumes_slower_steps_and_refuses_a_bad_margin():
@@ -266,9 +268,13 @@ def test_a_plan_with_a_step_time_margin_assumes_slower_steps_and_refuses_a_bad_m
     from tierserve.sim.plan import Cell, Planner
     from tierserve.sim.workload import make_workload
 
-    model = StepTimeModel(0.01, 0.001, 0.0002, per_chunk_s=0.003)
-    assert model.scaled(1.5).predict_s([(64, 64), (1, 80)]) == pytest.approx(
-        1.5 * model.predict_s([(64, 64), (1, 80)]))
+    from tierserve.core.step_time import FEATURES
+    from tierserve.sim.fleet import FleetConfig, make_simulator
+
+    model = StepTimeModel(0.01, 0.001, 0.0002, 3e-6, 4e-9, 0.003)
+    slowed = model.scaled(1.5)
+    for f in FEATURES:
+        assert getattr(slowed, f) == pytest.approx(1.5 * getattr(model, f)) != 0
     slo = {"priority": (1.0, 0.1), "default": (4.0, 0.2)}
     workload = make_workload("poisson:rate=4,n=60,priority=0.3")
     cell = Cell("h100-sxm", "shared", 16, 512)
@@ -278,5 +284,13 @@ def test_a_plan_with_a_step_time_margin_assumes_slower_steps_and_refuses_a_bad_m
     assert slow["makespan_s"] > plain["makespan_s"]
     for tier in slo:
         assert slow["tiers"][tier]["tpot_p50_s"] > 1.3 * plain["tiers"][tier]["tpot_p50_s"]
+    # the replicas plan with the model as calibrated, and their caps learn the ratio
+    machine = Planner(shape, slo).machine("h100-sxm")
+    sim = make_simulator(machine, SchedulerConfig(max_num_seqs=16), FleetConfig(), 0.05,
+                         step_time_margin=0.5)
+    sim.run(workload[:20])
+    replica = sim.replicas[0]
+    assert replica.scheduler.step_time_model is machine.model
+    assert replica.scheduler.step_time_ratio == pytest.approx(1.5, rel=0.05)
     with pytest.raises(ConfigError, match="--step-time-margin"):
         Planner(shape, slo, step_time_margin=-0.1)

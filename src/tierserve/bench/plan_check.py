@@ -107,11 +107,11 @@ def run(args) -> None:
                            prompt_ids=tuple(a.prompt)) for a in arrivals]
     with tempfile.TemporaryDirectory() as tmp:
         profile = os.path.join(tmp, "profile.json")
-        calibrate_profile(quantization, profile)
-        model = StepTimeModel.load(profile)
-        planner = Planner(preset("smollm2-135m"), slo, args.attainment,
+        planner = Planner(preset("smollm2-135m"), slo, args.attainment,  # bad flags fail
                           step_time_profile=profile, price_per_hour=args.price_per_hour,
                           seed=args.bench_seed, step_time_margin=args.step_time_margin)
+        calibrate_profile(quantization, profile)  # before this (read when first planned)
+        model = StepTimeModel.load(profile)
         fits = planner.search(workload, ["cpu-local"], ["shared"], seqs, budgets, 1)
         best = fits[0]
         cells = [best.cell] if args.cells == "best" else \
@@ -152,8 +152,8 @@ def run(args) -> None:
           f"plan={best.cell.describe()}: attainment apart at most "
           f"{max(worst_points, default=0):.0f} points (target 5), cost per 1K output apart "
           f"at most {max(cost_errors, default=0):.0%} (target 10%); the plan measured "
-          f"{min(plan_measured, default=1.0):.0%} in its worst SLO tier (asked "
-          f"{args.attainment:.0%})", flush=True)
+          + (f"{min(plan_measured):.0%}" if plan_measured else "-")
+          + f" in its worst SLO tier (asked {args.attainment:.0%})", flush=True)
 
 
 def _ms(seconds: float | None) -> str:

@@ -23,11 +23,12 @@ queueing delays a lot: the engine against itself is the bar no twin can pass her
 
 NOTE: rounds. `--repeats N` runs each rate N times, each round calibrated right before
 its run, on the same arrivals. Besides every round's own errors it prints the twin's
-cell-by-cell median over the rounds against the engine's: the twin's own error, with
-the machine's drift between rounds (8-20% between calibrations minutes apart on 2-vCPU
-EPYCs) left to the medians. Every pair of rounds' engines counts as "the engine against
-itself", as --floor's two runs do. One round is a sample of the machine; a twin
-predicts what the machine does on average.
+cell-by-cell median over the rounds against the engine's: the twin's own error, with the
+machine's drift between rounds left to the medians (on a 2-vCPU EPYC Zen 3 a lone
+decode's calibration moved 27.5 -> 34.7 ms within minutes, and steps ran 0.8-1.3x a
+calibration made just before). It also prints every pair of rounds' engines apart: the
+engine against itself across calibrations and minutes, beside --floor's back-to-back
+runs. One round is a sample of the machine; a twin predicts what it does on average.
 """
 
 import argparse
@@ -67,7 +68,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="rounds per rate (each calibrated right before its run, on the "
                         "same arrivals); with 2 or more also compares the twin's and the "
                         "engine's cell-by-cell medians over the rounds, and the rounds' "
-                        "engines pair by pair (the engine against itself, as --floor)")
+                        "engines pair by pair (the engine against itself across rounds)")
 
 
 def figures(rows: list[dict], wall: float, slo: dict) -> dict:
@@ -97,7 +98,7 @@ def run(args) -> None:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
     errors = {"headline": [], "all": [], "points": [], "floor": [], "pooled": [],
-              "pooled_all": [], "pooled_points": []}
+              "pooled_all": [], "pooled_points": [], "rounds_floor": []}
     for policy in parse_list(args.policies, str, "--policies"):
         _one_policy(args, policy, slo, errors)
     print(f"sim_accuracy policies={args.policies} rates={args.rates} median absolute error "
@@ -109,6 +110,7 @@ def run(args) -> None:
           + (f"; over {args.repeats} rounds (cell-by-cell medians): "
              f"{_median(errors['pooled']):.1%}, with the p99s {_median(errors['pooled_all']):.1%}"
              f", attainment at most {max(errors['pooled_points'], default=0):.0f} points apart"
+             f"; the rounds' engines pair by pair: {_median(errors['rounds_floor']):.0%}"
              if args.repeats > 1 else ""), flush=True)
 
 
@@ -127,7 +129,7 @@ def _one_policy(args, policy: str, slo: dict, errors: dict) -> None:
                 [s for _, s in rounds])
             for i, (first, _) in enumerate(rounds):  # every pair: as --floor's two runs
                 for second, _ in rounds[i + 1:]:
-                    _compare(first, second, {"headline": errors["floor"]})
+                    _compare(first, second, {"headline": errors["rounds_floor"]})
             print(f"sim_accuracy policy={policy} rate={rate:g} median of {args.repeats} rounds "
                   f"(engine/sim, abs error) | " + _compare(
                       engines, twins, {"headline": errors["pooled"], "all": errors["pooled_all"],
@@ -217,13 +219,17 @@ def _compare(ref: dict, other: dict, errors: dict) -> str:
             e = _err(other[tier][k], ref[tier][k])
             for key in ("headline",) * (k in HEADLINE) + ("all",):
                 errors.get(key, []).append(e)
-            cells.append(f"{k} {ref[tier][k] * 1e3:.0f}/{other[tier][k] * 1e3:.0f}ms ({e:.0%})")
+            cells.append(f"{k} {_ms(ref[tier][k])}/{_ms(other[tier][k])}ms ({e:.0%})")
         if "attainment" in ref[tier]:
             a, b = ref[tier]["attainment"], other[tier]["attainment"]
             errors.get("points", []).append(abs(a - b) * 100)
             cells.append(f"attainment {a:.0%}/{b:.0%}")
         parts.append(f"{tier}: " + " ".join(cells))
     return " | ".join(parts)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def _median(values: list[float]) -> float:

@@ -155,6 +155,9 @@ def cmd_plan(args) -> int:
     given = parse_list(args.hardware, str, "--hardware") if args.hardware else \
         ([] if args.hardware_file else ["h100-sxm", "a100-80gb"])
     args.hardware = ",".join(given + list(args.hardware_file))
+    if args.step_time_margin and (args.hybrid or args.forecast):
+        raise TierserveError("--step-time-margin plans one workload: --hybrid and --forecast "
+                             "do not take it (a schedule has no field to replay it with)")
     if args.hybrid:
         return _plan_hybrid(args, slo)
     planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
@@ -196,7 +199,9 @@ def cmd_plan(args) -> int:
     desc = (f"--workload {args.workload} --model {args.model} x{args.tp} "
             + " ".join(f"--slo {t}={a if a is not None else ''},{b if b is not None else ''}"
                        for t, (a, b) in slo.items())
-            + f" --attainment {args.attainment:g} --router {args.router}")
+            + f" --attainment {args.attainment:g} --router {args.router}"
+            + (f" --step-time-margin {args.step_time_margin:g}" if args.step_time_margin
+               else ""))
     searched = (len(hardware) - len(planner.skipped)) * len(deployments) * len(seqs) \
         * len(budgets)
     print(render(fits, curve, desc, searched, planner.num_simulations, args.top,
@@ -340,7 +345,8 @@ def add_parsers(sub) -> None:
     plan.add_argument("--step-time-margin", type=float, default=0.0, metavar="FRACTION",
                       help="plan as if every step took this fraction longer than the "
                            "hardware's model predicts (0); a machine that drifts from its "
-                           "calibration, such as a shared VM, needs the drift it shows")
+                           "calibration, such as a shared VM, needs the drift it shows "
+                           "(not with --hybrid or --forecast)")
     plan.add_argument("--max-num-seqs", default=None,
                       help="candidates (16,64,256; with --forecast 256)")
     plan.add_argument("--max-num-batched-tokens", default=None,
