@@ -471,8 +471,10 @@ class Scheduler:
                 streams += 1
             elif r.tier == Tier.DEFAULT:
                 prefilling += 1
-        free = self.config.max_num_seqs - self.config.reserved_priority_seqs - len(self.running)
-        return prefilling + min(self._waiting_default, max(free, 0)), streams
+        return self.caps.floor_prompts(prefilling, self._waiting_default,
+                                       self.config.max_num_seqs,
+                                       self.config.reserved_priority_seqs,
+                                       len(self.running)), streams
 
     def _decode_cost_s(self, request: Request) -> float:
         return self.step_time_model.seq_cost_s(1, request.num_tokens)

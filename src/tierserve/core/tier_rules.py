@@ -105,6 +105,14 @@ class StepCaps:
         share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
         return max(limit_s, (1 + share) * fixed_and_decodes_s)
 
+    @staticmethod
+    def floor_prompts(prefilling: int, waiting: int, max_seqs: int, reserved_priority: int,
+                      running: int) -> int:
+        """floor_s's `prompts`: the default-tier prompts prefilling, and those `waiting`
+        that a free slot below the priority reserve could start (a queue no slot can start
+        does not lift the floor under overload)."""
+        return prefilling + min(waiting, max(max_seqs - reserved_priority - running, 0))
+
     def starting(self, priority_needs_first_token: bool) -> bool:
         """Whether this step is one that gives a priority request its first token and
         nothing of the lower tiers: when one waits for it, every other step at most, so

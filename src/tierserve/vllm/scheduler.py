@@ -242,8 +242,9 @@ class TieredScheduler(AsyncScheduler):
 
         prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens and default(r)
                          for r in self.running)
-        free = self.max_num_running_reqs - self.tiers.reserved_priority_seqs - len(self.running)
-        return prefilling + min(self.waiting.count(default), max(free, 0))
+        return StepCaps.floor_prompts(prefilling, self.waiting.count(default),
+                                      self.max_num_running_reqs,
+                                      self.tiers.reserved_priority_seqs, len(self.running))
 
     def _cap(self, now: float) -> tuple[int | None, list]:
         """The step's token budget under the cap (None: no cap) and the running requests
