@@ -137,6 +137,43 @@ def test_lean_and_python_paths_generate_the_same_text():
     assert lean == plain
 
 
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_a_burst_s_prompts_in_one_attention_call_are_computed_as_one_by_one(quantization):
+    """Fresh prefill chunks of one length side by side (a burst of equal prompts) go to
+    SDPA in one call: the step's hidden states and the K/V written are the same, bit for
+    bit, as with a call per chunk, whatever else shares the step."""
+    from tierserve.model.llama import AttentionMetadata, PrefillChunk
+
+    engine = get_engine(dtype="bfloat16", quantization=quantization,
+                        max_num_batched_tokens=128, kv_cache_memory_gb=0.25)
+    model, shape = engine.runner.model, engine.runner.model.shape
+    rng = random.Random(5)
+    lengths = [24, 24, 24, 9, 24, 24]          # a run of three, one apart, a run of two
+    ids = torch.tensor([rng.randrange(100, 40000) for _ in range(sum(lengths))])
+    ends = [sum(lengths[:i + 1]) for i in range(len(lengths))]
+    chunks = [PrefillChunk(e - n, e, None, None) for e, n in zip(ends, lengths)]
+    T = len(ids)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    attn = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=0,
+                             decode_block_tables=None, decode_mask=None,
+                             decode_context_lens=None, prefills=chunks)
+
+    def run(group: bool):
+        caches = [(torch.zeros(-(-T // 16), 16, shape.num_kv_heads, shape.head_dim,
+                               dtype=torch.bfloat16),
+                   torch.zeros(-(-T // 16), 16, shape.num_kv_heads, shape.head_dim,
+                               dtype=torch.bfloat16)) for _ in range(shape.num_layers)]
+        lean = cpu_step.LeanForward(kernels.load(), model, caches)
+        lean.impl.group_chunks = group
+        with torch.inference_mode():
+            return lean(model.embed(ids), positions, attn), caches
+
+    (grouped, kv_grouped), (alone, kv_alone) = run(True), run(False)
+    assert torch.equal(grouped, alone)
+    assert all(torch.equal(a, b) for pa, pb in zip(kv_grouped, kv_alone)
+               for a, b in zip(pa, pb))
+
+
 def test_wide_inputs_dequantize_4_bit_weights_in_cpp_as_torch_does():
     """Without AVX-512 VNNI, above 96 rows (a prefill) the lean step dequantizes a 4-bit
     layer once, in C++, and runs one dense matmul: the matrix must be the one quant.py's

@@ -165,6 +165,7 @@ struct LeanModel {
   std::vector<at::Tensor> norms;       // per layer: input, mlp; then the final norm
   std::vector<LeanLinear> linears;     // per layer: qkv, o, gate_up, down
   std::vector<at::Tensor> k_caches, v_caches;
+  bool group_chunks = true;            // fresh prefill chunks of one length: one SDPA call
 
   LeanModel(int64_t hidden, int64_t nh, int64_t nkv, int64_t d, double eps,
             std::vector<at::Tensor> norms, std::vector<at::Tensor> k_caches,
@@ -259,6 +260,26 @@ struct LeanModel {
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, nkv, d});
     for (size_t c = 0; c < starts.size(); ++c) {
       const int64_t s = starts[c], n = ends[c] - starts[c];
+      // Fresh chunks of one length side by side (a burst's prompts) go to SDPA in one
+      // call, the batch dimension theirs: each is computed as it is alone, bit for bit
+      // (tests/test_lean_step.py), in one parallel region instead of one per chunk.
+      size_t e = c + 1;
+      while (group_chunks && !tables[c].has_value() && !masks[c].has_value() &&
+             e < starts.size() && !tables[e].has_value() && !masks[e].has_value() &&
+             ends[e] - starts[e] == n && starts[e] == ends[e - 1])
+        ++e;
+      if (e > c + 1) {
+        const int64_t B = static_cast<int64_t>(e - c);
+        auto heads = [&](const at::Tensor& t, int64_t h) {
+          return t.narrow(0, s, B * n).view({B, n, h, d}).transpose(1, 2);
+        };
+        at::Tensor o = at::scaled_dot_product_attention(
+            heads(q, nh), heads(k, nkv), heads(v, nkv), std::nullopt, 0.0, true,
+            std::nullopt, /*enable_gqa=*/true);
+        out.narrow(0, s, B * n).view({B, n, nh, d}).copy_(o.transpose(1, 2));
+        c = e - 1;
+        continue;
+      }
       at::Tensor keys, values;
       if (tables[c].has_value()) {
         const auto& table = *tables[c];
@@ -357,7 +378,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_linear", &LeanModel::add_linear)
       .def("set_head", &LeanModel::set_head)
       .def("logits", &LeanModel::logits)
-      .def("forward", &LeanModel::forward);
+      .def("forward", &LeanModel::forward)
+      .def_readwrite("group_chunks", &LeanModel::group_chunks);
 }
 """
 
