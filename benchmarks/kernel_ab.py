@@ -3,6 +3,7 @@ pass and head as git REV holds them (A) against the working tree's (B).
 
     python benchmarks/kernel_ab.py [--rev HEAD] [--streams 1] [--context 128]
                                    [--quantization gguf] [--rounds 20] [--calls 40]
+                                   [--part step|int4]
 
 Both extensions are compiled from source (cached under ~/.cache/torch_extensions by the
 source's hash) and run over the same model weights and KV caches, on the inputs of one
@@ -10,7 +11,10 @@ engine step with `--streams` sequences in decode at about `--context` tokens. Ro
 alternate A and B (and which goes first), `--calls` timed calls each, so a noisy neighbour
 hits both alike: on the shared 2-vCPU machines the same step moves 20% from one minute to
 the next, more than most kernel changes. Prints whether the outputs are equal and one line
-with the medians and B/A.
+with the medians and B/A. `--part int4` times only the model's 4-bit layers (int4_matmul
+over its 120 weights) at `--streams` rows of random input, A and B alike: two builds of
+the same source here differed by up to 10% on the whole step (code placement), so a change
+to one kernel is best judged on that kernel too.
 """
 
 import argparse
@@ -80,6 +84,40 @@ def step_inputs(engine):
     return seen["forward"], seen["head"]
 
 
+def int4_layers(versions: dict, engine, args, cpu: str) -> int:
+    """A against B on the model's 4-bit layers alone, `--streams` rows of random x."""
+    import torch
+
+    layers = [lin for layer in engine.runner.model.layers
+              for lin in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+                          layer.mlp.down_proj) if getattr(lin, "bits", None) == 4]
+    if not layers or not versions["B"].int4_vnni:
+        print("kernel_ab: --part int4 needs 4-bit layers (gguf) and AVX-512 VNNI",
+              file=sys.stderr)
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(args.streams, lin.group_size * lin.scales.size(0), generator=gen,
+                      dtype=torch.bfloat16) for lin in layers]
+
+    def run(m):
+        return [m.int4_matmul(x, lin.weight, lin.scales, lin.group_size)
+                for x, lin in zip(xs, layers)]
+
+    same = all(a.equal(b) for a, b in zip(run(versions["A"]), run(versions["B"])))
+    times = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for k in ("AB" if r % 2 else "BA"):
+            for _ in range(args.calls):
+                begin = time.perf_counter()
+                run(versions[k])
+                times[k].append(time.perf_counter() - begin)
+    a, b = (statistics.median(times[k]) * 1e3 for k in "AB")
+    print(f"kernel_ab cpu='{cpu}' quantization={args.quantization} part=int4 layers="
+          f"{len(layers)} rows={args.streams} rev={args.rev} outputs_equal={same} | "
+          f"ms A {a:.3f} B {b:.3f} B/A {b / a:.3f}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", default="HEAD")
@@ -90,6 +128,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--part", choices=("step", "int4"), default="step")
     args = p.parse_args(argv)
     from tierserve.engine.calibrate import cpu_model
     from tierserve.model import cpu_step, kernels
@@ -101,6 +140,8 @@ def main(argv=None) -> int:
     versions = {"A": build(source_at(args.rev)),
                 "B": build(kernels.source())}
     engine = make_engine(args.quantization, args)
+    if args.part == "int4":
+        return int4_layers(versions, engine, args, cpu_model())
     start_decoding(engine, args.streams, args.context, seed=0)
     runner = engine.runner
     lean = {k: cpu_step.LeanForward(m, runner.model, runner.kv_caches)
