@@ -13,22 +13,10 @@ times each after one warm-up. The outputs are the same bit for bit
 """
 
 import argparse
-import platform
 import random
 import statistics
 import sys
 import time
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:
@@ -46,6 +34,7 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
 
+    from tierserve.engine.calibrate import cpu_model
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
     from tierserve.sampling_params import SamplingParams
@@ -83,7 +72,7 @@ def main(argv=None) -> int:
                         times[grouped].append(took)
             impl.group_chunks = True
             alone, grouped = (statistics.median(times[g]) for g in (False, True))
-            print(f"prefill_burst cpu={cpu_name()!r} format={fmt} burst={n}x{length} "
+            print(f"prefill_burst cpu='{cpu_model()}' format={fmt} burst={n}x{length} "
                   f"rounds={args.rounds}: per chunk {alone:.1f} ms, grouped {grouped:.1f} ms, "
                   f"ratio {grouped / alone:.3f}")
     return 0
