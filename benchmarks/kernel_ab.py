@@ -128,8 +128,13 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--part", choices=("step", "int4"), default="step")
+    p.add_argument("--part", choices=("step", "int4"), default="step",
+                   help="int4: the 4-bit layers alone at --streams rows of random x (the "
+                        "tile kernel from 5 rows; --context is not used)")
     args = p.parse_args(argv)
+    for name in ("streams", "rounds", "calls"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
     from tierserve.engine.calibrate import cpu_model
     from tierserve.model import cpu_step, kernels
 

@@ -7,7 +7,8 @@ alternating in one process on one engine.
 
 For each weight format, one bfloat16 engine on the default model (SmolLM2-135M); for each
 burst NxL, N prompts of L random tokens are added together and the step that prefills
-them is timed (the whole `engine.step()`), grouped and per chunk in turn, `--rounds`
+them is timed (the whole `engine.step()`), grouped and per chunk in turn (which goes first
+alternating by round), `--rounds`
 times each after one warm-up. The outputs are the same bit for bit
 (tests/test_lean_step.py). One line per (format, burst): the medians and their ratio.
 """
@@ -33,6 +34,9 @@ def main(argv=None) -> int:
         p.error(f"--bursts: expected NxL[,NxL...] with N, L >= 1, got {args.bursts!r}")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    formats = args.formats.split(",")
+    if not formats or set(formats) - {"none", "int8", "gguf"}:
+        p.error(f"--formats: expected a list of none, int8, gguf, got {args.formats!r}")
 
     from tierserve.engine.calibrate import cpu_model
     from tierserve.engine.llm_engine import LLMEngine
@@ -41,7 +45,7 @@ def main(argv=None) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     rng = random.Random(0)
-    for fmt in args.formats.split(","):
+    for fmt in formats:
         engine = LLMEngine(engine_config(
             dtype="bfloat16", quantization=fmt, kv_cache_memory_gb=1.0,
             priority_step_time_s=0, enable_prefix_caching=False,
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
         for n, length in bursts:
             times = {True: [], False: []}
             for rnd in range(args.rounds + 1):
-                for grouped in (True, False):
+                for grouped in ((True, False) if rnd % 2 else (False, True)):
                     impl.group_chunks = grouped
                     took = step_ms(n, length)
                     if rnd:                       # round 0 warms both

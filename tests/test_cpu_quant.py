@@ -47,6 +47,22 @@ def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
 
 
 @vnni
+@pytest.mark.parametrize("rows", [5, 23, 24, 41, 144])
+def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows):
+    """The kernel takes 1-4 rows, tiles under 24 rows and larger tiles by three different
+    loops; each row's outputs are the same bits in all of them, so a request's tokens do
+    not depend on how many others share its step."""
+    layer, w = _int4_layer(192, 48 * GROUP_SIZE, seed=rows)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
+    k = kernels.load()
+    together = k.int4_matmul(x, layer.weight, layer.scales, layer.group_size)
+    for r in {0, rows // 2, rows - 1}:
+        alone = k.int4_matmul(x[r:r + 1].contiguous(), layer.weight, layer.scales,
+                              layer.group_size)
+        assert torch.equal(together[r:r + 1], alone)
+
+
+@vnni
 def test_4_bit_products_of_an_all_zero_group_are_exact():
     layer, w = _int4_layer(64, 4 * GROUP_SIZE, seed=11)
     x = torch.zeros(2, w.shape[1]).bfloat16()

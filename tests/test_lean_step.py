@@ -141,14 +141,17 @@ def test_lean_and_python_paths_generate_the_same_text():
 def test_a_burst_s_prompts_in_one_attention_call_are_computed_as_one_by_one(quantization):
     """Fresh prefill chunks of one length side by side (a burst of equal prompts) go to
     SDPA in one call: the step's hidden states and the K/V written are the same, bit for
-    bit, as with a call per chunk, whatever else shares the step."""
+    bit, as with a call per chunk. Chunks of 70 and 130 tokens: torch's flash kernel
+    takes other paths from 64 positions on."""
+    from torch.profiler import profile
+
     from tierserve.model.llama import AttentionMetadata, PrefillChunk
 
     engine = get_engine(dtype="bfloat16", quantization=quantization,
                         max_num_batched_tokens=128, kv_cache_memory_gb=0.25)
     model, shape = engine.runner.model, engine.runner.model.shape
     rng = random.Random(5)
-    lengths = [24, 24, 24, 9, 24, 24]          # a run of three, one apart, a run of two
+    lengths = [130, 130, 9, 70, 70, 70]        # a run of two, one apart, a run of three
     ids = torch.tensor([rng.randrange(100, 40000) for _ in range(sum(lengths))])
     ends = [sum(lengths[:i + 1]) for i in range(len(lengths))]
     chunks = [PrefillChunk(e - n, e, None, None) for e, n in zip(ends, lengths)]
@@ -165,10 +168,14 @@ def test_a_burst_s_prompts_in_one_attention_call_are_computed_as_one_by_one(quan
                                dtype=torch.bfloat16)) for _ in range(shape.num_layers)]
         lean = cpu_step.LeanForward(kernels.load(), model, caches)
         lean.impl.group_chunks = group
-        with torch.inference_mode():
-            return lean(model.embed(ids), positions, attn), caches
+        with torch.inference_mode(), profile() as prof:
+            hidden = lean(model.embed(ids), positions, attn)
+        calls = sum(e.count for e in prof.key_averages()
+                    if e.key == "aten::scaled_dot_product_attention")
+        return hidden, caches, calls
 
-    (grouped, kv_grouped), (alone, kv_alone) = run(True), run(False)
+    (grouped, kv_grouped, n_grouped), (alone, kv_alone, n_alone) = run(True), run(False)
+    assert (n_grouped, n_alone) == (3 * shape.num_layers, 6 * shape.num_layers)
     assert torch.equal(grouped, alone)
     assert all(torch.equal(a, b) for pa, pb in zip(kv_grouped, kv_alone)
                for a, b in zip(pa, pb))

@@ -12,12 +12,13 @@ layers at one row, about 26 GB/s, against torch's 4.1); at more rows a block's 6
 are unpacked once for all of its inputs (36-96 KB, in L2) and rows go two at a time over
 them with their sums in registers (at 16 rows 12.5 ms against 25 for a dense bfloat16 matmul
 of the same layers, when a group was unpacked at a time and each row's sums went through
-memory; with the sums in registers, on a 2-core EPYC Zen 4, 64 rows 31.6 -> 25.0 ms and 512
-rows 209 -> 180, the same bits; three rows at a time: no faster). Without VNNI the lean step
-keeps torch's int4 kernel for few rows and `dequantize_int4_t` then one dense matmul for
-many. `int8_matmul` widens int8 weight rows to bfloat16 (exact) and sums with vdpbf16ps, two
-weight rows per pass (one row of x: float32 multiply-adds): the 4-bit model's int8 lm_head
-takes 1.1 ms at one row against torch's 2.2, 14 against 43 at 64 rows.
+memory; with the sums in registers, from 24 rows, on a 2-core EPYC Zen 4, interleaved in one
+process: 64 rows 0.86-0.93 of the time before, 32 rows 0.95, 512 rows 0.97, the same bits;
+three rows at a time: no faster; below 24 rows the group-at-a-time tile is faster). Without
+VNNI the lean step keeps torch's int4 kernel for few rows and `dequantize_int4_t` then one
+dense matmul for many. `int8_matmul` widens int8 weight rows to bfloat16 (exact) and sums
+with vdpbf16ps, two weight rows per pass (one row of x: float32 multiply-adds): the 4-bit
+model's int8 lm_head takes 1.1 ms at one row against torch's 2.2, 14 against 43 at 64 rows.
 """
 
 SOURCE = r"""
@@ -93,11 +94,13 @@ static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Ten
 // four consecutive k are interleaved by bytes so that each lane holds one row's four, then
 // split into low (rows 0..31) and high (32..63) nibbles. Lanes come out in the order
 // [0-3, 16-19, 4-7, 20-23] / [8-11, 24-27, 12-15, 28-31] (+32 for the high nibbles) and are
-// put back in row order once per group, where s and z are applied:
+// left so: s and z are put in that lane order once per group (group_scales), applied as
 //   y_j += s_j d sum(xq q) + (z_j - 8 s_j) d sum(xq)
-// A group's unpacked weights (group/4 x 4 vectors, 2 KB for 32 inputs) are kept in L1 and
-// used for every row of x in the tile, four rows at a time.
-constexpr int64_t MAX_GROUP = 64;
+// and the sums go back to row order once per block (lanes_to_rows). At five rows and more
+// a block's groups are unpacked once (group/4 x 4 vectors each, 2 KB for 32 inputs) and
+// every row of the tile runs over them, two at a time (int4_tile_vnni).
+constexpr int64_t MAX_GROUP = 64;   // the largest group the kernels are written for and
+                                    // tested with (GGUF's 4-bit formats have 32)
 // PREFETCH: at one to four rows, int4_rows_vnni asks for the codes and scales PF groups
 // ahead (8 KB of codes for groups of 32) before it unpacks a group: a block's stream is
 // short (18 KB for a 576-input layer) and crosses a 4 KB page every four groups, where the
@@ -168,6 +171,31 @@ static inline void lanes_to_rows(__m512* tot) {
   for (int v = 0; v < 4; ++v) tot[v] = rows[v];
 }
 
+// R rows of x against one unpacked group (w: group/4 x 4 vectors): tot[r][64] += ...
+// xq4: row r's group at xq4[r * xstride]; dx, xs: row r's at [r * gstride].
+template <int R>
+static inline void group_rows(const __m512i* w, int64_t steps, const int32_t* xq4,
+                              int64_t xstride, const float* dx, const float* xs,
+                              int64_t gstride, const __m512* s, const __m512* z, float* tot) {
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int64_t t = 0; t < steps; ++t) {
+    __m512i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_set1_epi32(xq4[r * xstride + t]);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i wv = _mm512_load_si512(w + 4 * t + v);
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], wv, xv[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t4[4];
+    for (int v = 0; v < 4; ++v) t4[v] = _mm512_loadu_ps(tot + r * 64 + 16 * v);
+    add_group(acc[r], s, z, dx[r * gstride], xs[r * gstride], t4);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(tot + r * 64 + 16 * v, t4[v]);
+  }
+}
+
 // Up to four rows of x against one block, the weights unpacked in registers as they are
 // read: at one to four rows (decode steps) this keeps to the memory's pace.
 template <int R>
@@ -207,6 +235,49 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
   }
 }
 
+constexpr int64_t TILE_BLOCK_ROWS = 24;
+
+// Rows [r0, r1) of y for one block b of 64 outputs, a group at a time: each unpacked group
+// (2 KB for 32 inputs) stays in L1 for every row of the tile, four at a time, and the
+// rows' sums go through memory. Below TILE_BLOCK_ROWS rows this is the faster: with the
+// block's groups unpacked at once (int4_tile_vnni) the 120 layers of SmolLM2-135M took
+// 1.21x this one's time at 7 rows, 1.11x at 8, 1.07-1.08x at 16 (0.98x in one run), 0.97x
+// at 24, 0.95x at 32, 0.86-0.93x at 64 (2-core EPYC Zen 4, kernel_ab.py --part int4).
+static void int4_tile_groups(const int32_t* xq4, const float* dx, const float* xsum,
+                             const uint8_t* codes, const at::BFloat16* sz, at::BFloat16* y,
+                             int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t k,
+                             int64_t group) {
+  const int64_t groups = k / group, steps = group / 4;
+  alignas(64) __m512i w[MAX_GROUP];
+  std::vector<float> tot((r1 - r0) * 64, 0.f);
+  const uint8_t* blk = codes + b * k * 32;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t t = 0; t < steps; ++t) unpack4(blk + (g * group + 4 * t) * 32, w + 4 * t);
+    __m512 s[4], z[4];
+    group_scales(sz + (g * n + b * 64) * 2, s, z);
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int32_t* xr = xq4 + r * (k / 4) + g * steps;
+      const float* dr = dx + r * groups + g;
+      const float* sr = xsum + r * groups + g;
+      float* tr = tot.data() + (r - r0) * 64;
+      switch (std::min<int64_t>(4, r1 - r)) {
+        case 1: group_rows<1>(w, steps, xr, k / 4, dr, sr, groups, s, z, tr); break;
+        case 2: group_rows<2>(w, steps, xr, k / 4, dr, sr, groups, s, z, tr); break;
+        case 3: group_rows<3>(w, steps, xr, k / 4, dr, sr, groups, s, z, tr); break;
+        default: group_rows<4>(w, steps, xr, k / 4, dr, sr, groups, s, z, tr);
+      }
+    }
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    float* tr = tot.data() + (r - r0) * 64;
+    __m512 t4[4];
+    for (int v = 0; v < 4; ++v) t4[v] = _mm512_loadu_ps(tr + 16 * v);
+    lanes_to_rows(t4);
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(tr + 16 * v, t4[v]);
+    narrow(tr, y + r * n + b * 64, 64);
+  }
+}
+
 // R rows of x against a whole unpacked block (w: the block's groups, each group/4 x 4
 // vectors; s, z: each group's 4 + 4 scale vectors), the rows' sums kept in registers
 // across the groups. add_group's operations and their order are those of the group-at-a-
@@ -241,10 +312,15 @@ static inline void block_rows(const __m512i* w, const __m512* s, const __m512* z
 
 // Rows [r0, r1) of y for one block b of 64 outputs: the block's groups unpacked once (the
 // weights of a 1536-input layer: 96 KB, in L2), then two rows at a time over all of them.
+// The same bits as int4_tile_groups, which takes tiles of fewer rows.
 static void int4_tile_vnni(const int32_t* xq4, const float* dx, const float* xsum,
                            const uint8_t* codes, const at::BFloat16* sz, at::BFloat16* y,
                            int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t k,
                            int64_t group) {
+  if (r1 - r0 < TILE_BLOCK_ROWS) {
+    int4_tile_groups(xq4, dx, xsum, codes, sz, y, b, r0, r1, n, k, group);
+    return;
+  }
   const int64_t groups = k / group, steps = group / 4;
   thread_local std::vector<__m512i> w;
   thread_local std::vector<__m512> sc;

@@ -261,13 +261,14 @@ struct LeanModel {
     for (size_t c = 0; c < starts.size(); ++c) {
       const int64_t s = starts[c], n = ends[c] - starts[c];
       // Fresh chunks of one length side by side (a burst's prompts) go to SDPA in one
-      // call, the batch dimension theirs: each is computed as it is alone, bit for bit
-      // (tests/test_lean_step.py), in one parallel region instead of one per chunk.
+      // call, the batch dimension theirs: with this torch each is computed as it is
+      // alone, bit for bit (tests/test_lean_step.py), in one parallel region instead of
+      // one per chunk. `group_chunks` is off only to measure or test that.
       size_t e = c + 1;
-      while (group_chunks && !tables[c].has_value() && !masks[c].has_value() &&
-             e < starts.size() && !tables[e].has_value() && !masks[e].has_value() &&
-             ends[e] - starts[e] == n && starts[e] == ends[e - 1])
-        ++e;
+      if (group_chunks && !tables[c].has_value() && !masks[c].has_value())
+        while (e < starts.size() && !tables[e].has_value() && !masks[e].has_value() &&
+               ends[e] - starts[e] == n && starts[e] == ends[e - 1])
+          ++e;
       if (e > c + 1) {
         const int64_t B = static_cast<int64_t>(e - c);
         auto heads = [&](const at::Tensor& t, int64_t h) {
