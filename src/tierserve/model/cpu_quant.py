@@ -12,9 +12,9 @@ layers at one row, about 26 GB/s, against torch's 4.1); at more rows a block's 6
 are unpacked once for all of its inputs (36-96 KB, in L2) and rows go two at a time over
 them with their sums in registers (at 16 rows 12.5 ms against 25 for a dense bfloat16 matmul
 of the same layers, when a group was unpacked at a time and each row's sums went through
-memory; with the sums in registers, from 24 rows, on a 2-core EPYC Zen 4, interleaved in one
+memory; with the sums in registers, from 16 rows, on a 2-core EPYC Zen 4, interleaved in one
 process: 64 rows 0.86-0.93 of the time before, 32 rows 0.95, 512 rows 0.97, the same bits;
-three rows at a time: no faster; below 24 rows the group-at-a-time tile is faster). Without
+three rows at a time: no faster; below 16 rows the group-at-a-time tile is faster). Without
 VNNI the lean step keeps torch's int4 kernel for few rows and `dequantize_int4_t` then one
 dense matmul for many. `int8_matmul` widens int8 weight rows to bfloat16 (exact) and sums
 with vdpbf16ps, two weight rows per pass (one row of x: float32 multiply-adds): the 4-bit
@@ -235,14 +235,15 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
   }
 }
 
-constexpr int64_t TILE_BLOCK_ROWS = 24;
+constexpr int64_t TILE_BLOCK_ROWS = 16;
 
 // Rows [r0, r1) of y for one block b of 64 outputs, a group at a time: each unpacked group
 // (2 KB for 32 inputs) stays in L1 for every row of the tile, four at a time, and the
 // rows' sums go through memory. Below TILE_BLOCK_ROWS rows this is the faster: with the
-// block's groups unpacked at once (int4_tile_vnni) the 120 layers of SmolLM2-135M took
-// 1.21x this one's time at 7 rows, 1.11x at 8, 1.07-1.08x at 16 (0.98x in one run), 0.97x
-// at 24, 0.95x at 32, 0.86-0.93x at 64 (2-core EPYC Zen 4, kernel_ab.py --part int4).
+// block's groups unpacked at once (int4_tile_vnni) the 120 layers of SmolLM2-135M alone
+// took 1.21x this one's time at 7 rows and 1.11x at 8; at 16 they took 0.98-1.08x alone
+// but the whole step 0.97-0.99x, and 0.97x at 24, 0.95x at 32, 0.86-0.93x at 64 (2-core
+// EPYC Zen 4, benchmarks/kernel_ab.py).
 static void int4_tile_groups(const int32_t* xq4, const float* dx, const float* xsum,
                              const uint8_t* codes, const at::BFloat16* sz, at::BFloat16* y,
                              int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t k,
