@@ -1,6 +1,6 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 600 lines because it is one kernel family in
+dequantized to W^T for wide inputs. About 700 lines because it is one kernel family in
 one C++ source string (the intrinsics take many lines); cpu_step.py holds the forward pass.
 
 NOTE: the 4- and 8-bit kernels. At a few rows a quantized layer is bound by reading its
@@ -96,9 +96,9 @@ static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Ten
 // [0-3, 16-19, 4-7, 20-23] / [8-11, 24-27, 12-15, 28-31] (+32 for the high nibbles) and are
 // left so: s and z are put in that lane order once per group (group_scales), applied as
 //   y_j += s_j d sum(xq q) + (z_j - 8 s_j) d sum(xq)
-// and the sums go back to row order once per block (lanes_to_rows). At five rows and more
-// a block's groups are unpacked once (group/4 x 4 vectors each, 2 KB for 32 inputs) and
-// every row of the tile runs over them, two at a time (int4_tile_vnni).
+// and the sums go back to row order once per block (lanes_to_rows). A tile of five rows or
+// more takes a group at a time, every row over each unpacked group (int4_tile_groups), or
+// from TILE_BLOCK_ROWS rows the block's groups unpacked at once (int4_tile_block).
 constexpr int64_t MAX_GROUP = 64;   // the largest group the kernels are written for and
                                     // tested with (GGUF's 4-bit formats have 32)
 // PREFETCH: at one to four rows, int4_rows_vnni asks for the codes and scales PF groups
@@ -240,7 +240,7 @@ constexpr int64_t TILE_BLOCK_ROWS = 16;
 // Rows [r0, r1) of y for one block b of 64 outputs, a group at a time: each unpacked group
 // (2 KB for 32 inputs) stays in L1 for every row of the tile, four at a time, and the
 // rows' sums go through memory. Below TILE_BLOCK_ROWS rows this is the faster: with the
-// block's groups unpacked at once (int4_tile_vnni) the 120 layers of SmolLM2-135M alone
+// block's groups unpacked at once (int4_tile_block) the 120 layers of SmolLM2-135M alone
 // took 1.21x this one's time at 7 rows and 1.11x at 8; at 16 they took 0.98-1.08x alone
 // but the whole step 0.97-0.99x, and 0.97x at 24, 0.95x at 32, 0.86-0.93x at 64 (2-core
 // EPYC Zen 4, benchmarks/kernel_ab.py).
@@ -281,9 +281,9 @@ static void int4_tile_groups(const int32_t* xq4, const float* dx, const float* x
 
 // R rows of x against a whole unpacked block (w: the block's groups, each group/4 x 4
 // vectors; s, z: each group's 4 + 4 scale vectors), the rows' sums kept in registers
-// across the groups. add_group's operations and their order are those of the group-at-a-
-// time loop this replaced, so the result is the same bit for bit; what goes is a load and
-// a store of every row's 64 sums per group (a third of the non-VNNI work at 64 rows).
+// across the groups. add_group's operations and their order are int4_tile_groups', so the
+// result is the same bit for bit; what goes is a load and a store of every row's 64 sums
+// per group (a third of the non-VNNI work at 64 rows).
 template <int R>
 static inline void block_rows(const __m512i* w, const __m512* s, const __m512* z,
                               int64_t groups, int64_t steps, const int32_t* xq4,
@@ -313,15 +313,11 @@ static inline void block_rows(const __m512i* w, const __m512* s, const __m512* z
 
 // Rows [r0, r1) of y for one block b of 64 outputs: the block's groups unpacked once (the
 // weights of a 1536-input layer: 96 KB, in L2), then two rows at a time over all of them.
-// The same bits as int4_tile_groups, which takes tiles of fewer rows.
-static void int4_tile_vnni(const int32_t* xq4, const float* dx, const float* xsum,
-                           const uint8_t* codes, const at::BFloat16* sz, at::BFloat16* y,
-                           int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t k,
-                           int64_t group) {
-  if (r1 - r0 < TILE_BLOCK_ROWS) {
-    int4_tile_groups(xq4, dx, xsum, codes, sz, y, b, r0, r1, n, k, group);
-    return;
-  }
+// The same bits as int4_tile_groups.
+static void int4_tile_block(const int32_t* xq4, const float* dx, const float* xsum,
+                            const uint8_t* codes, const at::BFloat16* sz, at::BFloat16* y,
+                            int64_t b, int64_t r0, int64_t r1, int64_t n, int64_t k,
+                            int64_t group) {
   const int64_t groups = k / group, steps = group / 4;
   thread_local std::vector<__m512i> w;
   thread_local std::vector<__m512> sc;
@@ -454,9 +450,9 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t tiles = (m + 127) / 128, tile = ((m + tiles - 1) / tiles + 3) / 4 * 4;
   at::parallel_for(0, nb * tiles, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r0 = (i / nb) * tile;
-      int4_tile_vnni(xq4, dx.data(), xs.data(), cp, zp, yp, i % nb, r0,
-                     std::min(m, r0 + tile), n, k, group);
+      const int64_t r0 = (i / nb) * tile, r1 = std::min(m, r0 + tile);
+      (r1 - r0 < TILE_BLOCK_ROWS ? int4_tile_groups : int4_tile_block)(
+          xq4, dx.data(), xs.data(), cp, zp, yp, i % nb, r0, r1, n, k, group);
     }
   });
 #endif
