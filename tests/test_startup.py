@@ -59,3 +59,26 @@ def test_tokenizer_read_back_from_the_cache_is_the_same(tmp_path, monkeypatch, d
         (built.eos_token_id, built.vocab_size, built.all_special_ids)
     ids = built.encode(text)
     assert cached.decode(ids) == built.decode(ids)
+
+
+def test_every_decode_batch_of_the_calibration_grid_is_measured_at_full_size(tmp_path,
+                                                                            monkeypatch):
+    """With the decode cap on (the default), prefill chunks enter more slowly than the
+    step budget allows; each batch still gets its full-size decode steps, so the KV-token
+    term is fitted on large batches at a long context, not on batches of 1-4 alone."""
+    from tierserve.engine.calibrate import calibrate, calibration_batches
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.llm import engine_config
+
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(engine_config(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=8))
+    assert engine.scheduler.step_time_model is not None  # the cap is on
+    steps = []
+    calibrate(engine, steps=steps)
+    assert all(seconds > 0 for _, seconds in steps)
+    for num, prompt_len, want in calibration_batches(8, engine.max_model_len):
+        if want:  # decodes of `num` sequences, all at this batch's context (the grid's two
+            got = sum(1 for seqs, _ in steps if len(seqs) == num  # are 352 tokens apart)
+                      and all(n == 1 and prompt_len < c <= prompt_len + 300 for n, c in seqs))
+            assert got >= want, (num, prompt_len, got, want)
+    assert not engine.has_unfinished_requests()

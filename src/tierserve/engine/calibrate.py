@@ -43,17 +43,15 @@ from tierserve.model.generation import request_sampling
 from tierserve.sampling_params import SamplingParams
 
 
-def calibration_batches(max_num_seqs: int, max_len: int,
-                        budget: int) -> list[tuple[int, int, int]]:
-    """(num_requests, prompt_len, max_tokens) per batch, clipped to the engine's limits.
-    Each batch's first requests keep decoding until its last prompt is in, so its decodes
-    run together at full batch size (beside prefill chunks, then alone)."""
+def calibration_batches(max_num_seqs: int, max_len: int) -> list[tuple[int, int, int]]:
+    """(num_requests, prompt_len, full_steps) per batch, clipped to the engine's limits:
+    `full_steps` steps decode all `num_requests` together after the last prompt is in (the
+    first ones decode beside the later prompts' chunks before that); 0: a lone prefill."""
     short, long = min(32, max_len - 64), min(384, max_len - 64)
-    batches = [(1, min(n, max_len - 2), 1) for n in (32, 128, 384)]  # lone prefills
+    batches = [(1, min(n, max_len - 2), 0) for n in (32, 128, 384)]  # lone prefills
     for ctx, sizes in ((short, DECODE_BATCHES), (long, LONG_DECODE_BATCHES)):
         for b in sorted({min(b, max_num_seqs) for b in sizes}):  # decodes: size x context
-            steps = SMALL_DECODE_STEPS if b <= 4 else DECODE_STEPS
-            batches.append((b, ctx, min(b * ctx // budget + steps, 60)))
+            batches.append((b, ctx, SMALL_DECODE_STEPS if b <= 4 else DECODE_STEPS))
     return batches
 
 
@@ -62,10 +60,17 @@ LONG_DECODE_BATCHES = (1, 4, 8, 32)
 """At the long context each batch's prompts cost seconds to prefill (16 x 384 tokens:
 about 5 s on a 2-core Zen 4), so fewer sizes there; the KV term is set by its ends."""
 DECODE_STEPS = 8
-"""Decode steps each batch runs at full size after its last prompt is in. Under load
-most of an engine's steps are decodes of 1-16 sequences (70% of them at 0.5 req/s in
-benchmarks/sim_accuracy.py); with batches of 1, 8 and 32 and 4 such steps each, the
-grid held 50 decode steps of 211 and the fit missed lone decodes by 5-9%."""
+"""Full-size decode steps of each batch. Under load most of an engine's steps are decodes
+of 1-16 sequences (70% of them at 0.5 req/s in benchmarks/sim_accuracy.py).
+
+Counted, not implied: until the twenty-seventh session each batch asked for a number of
+tokens (prompt tokens over the step budget, plus these steps), but the decode cap lets
+prefill chunks in more slowly than the budget would, so the first requests finished
+before the last prompt was in. On a 2-core Zen 4 the grid held no full decode step at the
+long context above 6 sequences (3 at 32 sequences, short context, instead of 8): the
+KV-token term rested on batches of 1-4, two calibrations in a row fitted it at 0.34 and
+1.1 us, and decodes of 5-16 sequences at 300-600 tokens ran 1.15-1.22x their prediction
+(docs/benchmarks.md)."""
 SMALL_DECODE_STEPS = 24
 """For batches of 1-4: with 8 steps each the grid held 22 lone decode steps of 221
 (2% of its time) and the relative fit put them 7% short on a 2-core Zen 5, while lone
@@ -73,9 +78,11 @@ decodes are 25-45% of the engine's time at 0.5-1 req/s (benchmarks/sim_accuracy.
 16 more steps at each of 5 such cells cost about 1 s."""
 
 
-def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False) -> StepTimeModel:
+def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False,
+              steps: list | None = None) -> StepTimeModel:
     """Run the calibration grid on `engine`, which must be idle; return the fitted model
-    (of the runner's time, or of whole steps: see the note)."""
+    (of the runner's time, or of whole steps: see the note). `steps`, if given, gets the
+    measured steps the model is fitted to, each ([(num_tokens, context_len)...], seconds)."""
     if engine.has_unfinished_requests():
         raise RuntimeError("calibrate needs an idle engine")
     rng = random.Random(seed)
@@ -94,27 +101,42 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False)
     try:
         _run_batch(engine, 2, 64, 2, rng, vocab, params, collector, [], False)  # warm-up
         for _ in range(repeats):
-            for num, prompt_len, max_tokens in calibration_batches(
-                    engine.config.scheduler.max_num_seqs, engine.max_model_len,
-                    engine.config.scheduler.max_num_batched_tokens):
-                _run_batch(engine, num, prompt_len, max_tokens, rng, vocab, params,
+            for num, prompt_len, full_steps in calibration_batches(
+                    engine.config.scheduler.max_num_seqs, engine.max_model_len):
+                _run_batch(engine, num, prompt_len, full_steps, rng, vocab, params,
                            collector, samples, whole_step)
     finally:
         acc.sinks, acc.metering = sinks, metering
         engine.scheduler.num_preemptions, engine.scheduler.num_recomputed_tokens = counters
         engine.block_manager.reset_prefix_cache()
+    if steps is not None:
+        steps.extend(samples)
     return StepTimeModel.fit(samples, relative=True)  # see the note on the fit
 
 
-def _run_batch(engine, num: int, prompt_len: int, max_tokens: int, rng, vocab: int,
+def _run_batch(engine, num: int, prompt_len: int, full_steps: int, rng, vocab: int,
                params: SamplingParams, collector: StatsCollector, samples: list,
                whole_step: bool) -> None:
-    """Run one batch to the end; append (step's sequences, seconds) per step."""
+    """Run one batch (see calibration_batches); append (step's sequences, seconds) per
+    step. The requests may decode to the end of the context; once `full_steps` steps have
+    decoded all of them together, the rest are aborted (a bound on the steps stops a batch
+    that never comes together, which the grid's sizes within the limits do not do)."""
+    room = engine.max_model_len - prompt_len
+    ids = []
     for _ in range(num):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]  # no prefix hits
-        engine.add_request(None, prompt, dataclasses.replace(params, max_tokens=max_tokens))
-    while engine.has_unfinished_requests():
+        ids.append(engine.add_request(None, prompt, dataclasses.replace(
+            params, max_tokens=room if full_steps else 1)))
+    full, bound = 0, full_steps + num * prompt_len // 16 + 64
+    while engine.has_unfinished_requests() and bound > 0 and (not full_steps
+                                                             or full < full_steps):
+        count, bound = len(samples), bound - 1
         timed_step(engine, collector, samples, whole_step)
+        if len(samples) > count and len(samples[-1][0]) == num and all(
+                n == 1 for n, _ in samples[-1][0]):
+            full += 1
+    for request_id in ids:
+        engine.abort_request(request_id)  # those still decoding
 
 
 def timed_step(engine, collector: StatsCollector, samples: list, whole_step: bool) -> None:
@@ -160,11 +182,12 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 """Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
 chunks on the paged kernel; 4: back on torch's attention; 5: a prefill chunk's own cost
 and more decode steps; 6: sampled as a default request, more small decode steps; 7: float32
-weights packed by oneDNN on an AVX2-only CPU): older files are then not read."""
+weights packed by oneDNN on an AVX2-only CPU; 8: full decode steps counted): older files
+are then not read."""
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:
