@@ -10,7 +10,7 @@ than twice the threads): every query head takes its scores against every context
 of its KV head, then a softmax and the weighted sum of values, all in float32. Each
 sequence is computed alone, so a sequence's output does not depend on what else is in the
 batch. A head's keys and values are short pieces of each position's row, so the kernel
-asks for them 32 positions before it reads them (`Prefetcher`). With bfloat16 caches on a
+asks for them 64 positions before it reads them, into L2 (`Prefetcher`). With bfloat16 caches on a
 CPU with AVX-512 BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly, 16 positions at a
 time, and the values of two positions are summed per instruction with the probabilities
 in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
@@ -144,8 +144,13 @@ static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
 // reads do, without a division per position). A head's keys and values are short strided
 // pieces of each position's row (128 of 384 bytes for SmolLM2) scattered over the blocks:
 // without it, at 600 tokens of context, the attention of 30 layers read its 14 MB at
-// 14 GB/s, four times a layer's time alone (2-core EPYC Zen 5).
-constexpr int64_t AHEAD = 32;
+// 14 GB/s, four times a layer's time alone (2-core EPYC Zen 5). Into L2, not L1, and 64
+// positions ahead: with 32 into L1 a 2-core Zen 4 read the caches of 30 layers at 1.6-2.0
+// us per context token and step whatever the batch (13 GB/s of its 55); into L2 it took
+// 0.60-0.75 of that time at 2-64 sequences (0.64 at 64 x 190 tokens; 32 or 128 ahead, or
+// the L3 hint, no better; whole rows for every head at once, worse). An L1 hint fills the
+// small L1 with lines needed only 32 positions later, probably pushing out ones in use.
+constexpr int64_t AHEAD = 64;
 template <int D>
 struct Prefetcher {
   const char* base;
@@ -160,7 +165,7 @@ struct Prefetcher {
   inline void next() {   // the next position: ask for it, move on
     if (t >= L) return;
     const char* p = base + (table[blk] * bs + off) * row_bytes;
-    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
     ++t;
     if (++off == bs) { off = 0; ++blk; }
   }
