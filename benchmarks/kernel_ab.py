@@ -3,7 +3,7 @@ pass and head as git REV holds them (A) against the working tree's (B).
 
     python benchmarks/kernel_ab.py [--rev HEAD] [--streams 1] [--context 128]
                                    [--quantization gguf] [--rounds 20] [--calls 40]
-                                   [--part step|int4]
+                                   [--part step|int4|attention]
 
 Both extensions are compiled from source (cached under ~/.cache/torch_extensions by the
 source's hash) and run over the same model weights and KV caches, on the inputs of one
@@ -14,7 +14,11 @@ the next, more than most kernel changes. Prints whether the outputs are equal an
 with the medians and B/A. `--part int4` times only the model's 4-bit layers (int4_matmul
 over its 120 weights) at `--streams` rows of random input, A and B alike: two builds of
 the same source here differed by up to 10% on the whole step (code placement), so a change
-to one kernel is best judged on that kernel too.
+to one kernel is best judged on that kernel too. `--part attention` times only the paged
+decode attention of every layer at `--streams` sequences of `--context` tokens, the blocks
+of each sequence scattered over the cache as after hours of traffic, and between layers a
+read of as many other bytes as a layer's weights (what a step streams between two
+attentions, so the caches are read cold, as in a step).
 """
 
 import argparse
@@ -118,6 +122,46 @@ def int4_layers(versions: dict, engine, args, cpu: str) -> int:
     return 0
 
 
+def attention(versions: dict, engine, args, cpu: str) -> int:
+    """A against B on the paged decode attention alone (see the module's docstring)."""
+    import torch
+    from decode_floor import weight_bytes
+
+    shape, bs = engine.shape, args.block_size
+    hkv, heads, dim = shape.num_kv_heads, shape.num_heads, shape.head_dim
+    width = -(-args.context // bs)
+    blocks = args.streams * width + 8
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(blocks, bs, hkv, dim, generator=gen).to(torch.bfloat16)
+              for _ in range(2 * shape.num_layers)]
+    between = torch.ones(max(weight_bytes(engine.runner.model) // shape.num_layers // 4, 1))
+    tables = torch.randperm(blocks, generator=gen)[:args.streams * width].view(
+        args.streams, width).contiguous()
+    lens = torch.full((args.streams,), args.context, dtype=torch.long)
+    q = torch.randn(args.streams, heads, dim, generator=gen).to(torch.bfloat16)
+
+    def run(m) -> tuple[float, list]:
+        spent, outs = 0.0, []
+        for layer in range(shape.num_layers):
+            between.sum()
+            begin = time.perf_counter()
+            outs.append(m.paged_decode(q, caches[2 * layer], caches[2 * layer + 1], tables,
+                                       lens, dim ** -0.5))
+            spent += time.perf_counter() - begin
+        return spent, outs
+
+    same = all(a.equal(b) for a, b in zip(run(versions["A"])[1], run(versions["B"])[1]))
+    times = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for k in ("AB" if r % 2 else "BA"):
+            times[k] += [run(versions[k])[0] for _ in range(args.calls)]
+    a, b = (statistics.median(times[k]) * 1e3 for k in "AB")
+    print(f"kernel_ab cpu='{cpu}' part=attention layers={shape.num_layers} streams="
+          f"{args.streams} context={args.context} rev={args.rev} outputs_equal={same} | "
+          f"ms per step A {a:.3f} B {b:.3f} B/A {b / a:.3f}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", default="HEAD")
@@ -128,9 +172,10 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--part", choices=("step", "int4"), default="step",
+    p.add_argument("--part", choices=("step", "int4", "attention"), default="step",
                    help="int4: the 4-bit layers alone at --streams rows of random x (the "
-                        "tile kernel from 5 rows; --context is not used)")
+                        "tile kernel from 5 rows; --context is not used); attention: the "
+                        "paged decode attention of every layer alone, read cold")
     args = p.parse_args(argv)
     for name in ("streams", "rounds", "calls"):
         if getattr(args, name) < 1:
@@ -147,6 +192,8 @@ def main(argv=None) -> int:
     engine = make_engine(args.quantization, args)
     if args.part == "int4":
         return int4_layers(versions, engine, args, cpu_model())
+    if args.part == "attention":
+        return attention(versions, engine, args, cpu_model())
     start_decoding(engine, args.streams, args.context, seed=0)
     runner = engine.runner
     lean = {k: cpu_step.LeanForward(m, runner.model, runner.kv_caches)
