@@ -17,8 +17,8 @@ the same source here differed by up to 10% on the whole step (code placement), s
 to one kernel is best judged on that kernel too. `--part attention` times only the paged
 decode attention of every layer at `--streams` sequences of `--context` tokens, the blocks
 of each sequence scattered over the cache as after hours of traffic, and between layers a
-read of as many other bytes as a layer's weights (what a step streams between two
-attentions, so the caches are read cold, as in a step).
+read of as many other bytes as a layer's weights, a different slice for each layer (what
+a step streams between two attentions, so the caches are read cold, as in a step).
 """
 
 import argparse
@@ -134,7 +134,9 @@ def attention(versions: dict, engine, args, cpu: str) -> int:
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn(blocks, bs, hkv, dim, generator=gen).to(torch.bfloat16)
               for _ in range(2 * shape.num_layers)]
-    between = torch.ones(max(weight_bytes(engine.runner.model) // shape.num_layers // 4, 1))
+    per_layer = max(weight_bytes(engine.runner.model) // shape.num_layers // 4, 1)
+    between = torch.ones(shape.num_layers, per_layer)  # a layer's slice each: all of it
+    # is read once per step, as the weights are, so no cache keeps the KV caches warm
     tables = torch.randperm(blocks, generator=gen)[:args.streams * width].view(
         args.streams, width).contiguous()
     lens = torch.full((args.streams,), args.context, dtype=torch.long)
@@ -143,7 +145,7 @@ def attention(versions: dict, engine, args, cpu: str) -> int:
     def run(m) -> tuple[float, list]:
         spent, outs = 0.0, []
         for layer in range(shape.num_layers):
-            between.sum()
+            between[layer].sum()
             begin = time.perf_counter()
             outs.append(m.paged_decode(q, caches[2 * layer], caches[2 * layer + 1], tables,
                                        lens, dim ** -0.5))

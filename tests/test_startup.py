@@ -66,7 +66,7 @@ def test_every_decode_batch_of_the_calibration_grid_is_measured_at_full_size(tmp
     """With the decode cap on (the default), prefill chunks enter more slowly than the
     step budget allows; each batch still gets its full-size decode steps, so the KV-token
     term is fitted on large batches at a long context, not on batches of 1-4 alone."""
-    from tierserve.engine.calibrate import calibrate, calibration_batches
+    from tierserve.engine.calibrate import calibrate, calibration_batches, default_slots
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
 
@@ -76,9 +76,25 @@ def test_every_decode_batch_of_the_calibration_grid_is_measured_at_full_size(tmp
     steps = []
     calibrate(engine, steps=steps)
     assert all(seconds > 0 for _, seconds in steps)
-    for num, prompt_len, want in calibration_batches(8, engine.max_model_len):
+    for num, prompt_len, want in calibration_batches(default_slots(engine),
+                                                     engine.max_model_len):
         if want:  # decodes of `num` sequences, all at this batch's context (the grid's two
             got = sum(1 for seqs, _ in steps if len(seqs) == num  # are 352 tokens apart)
                       and all(n == 1 and prompt_len < c <= prompt_len + 300 for n, c in seqs))
             assert got >= want, (num, prompt_len, got, want)
+    assert not engine.has_unfinished_requests()
+
+
+def test_an_engine_with_a_priority_reserve_calibrates_at_start_up(tmp_path, monkeypatch):
+    """Under the tiered policy the grid's default-tier requests get the context and the
+    slots outside the priority reserve: they must not ask for more (the engine refuses
+    such a request, and start-up would fail)."""
+    from tierserve.engine.llm_engine import LLMEngine
+    from tierserve.llm import engine_config
+
+    monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(engine_config(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=4,
+                                     reserved_priority_seqs=1, reserved_priority_blocks=600))
+    assert engine.scheduler.max_len_lower < engine.max_model_len  # the reserve bites
+    assert engine.scheduler.step_time_model is not None
     assert not engine.has_unfinished_requests()

@@ -102,7 +102,7 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False,
         _run_batch(engine, 2, 64, 2, rng, vocab, params, collector, [], False)  # warm-up
         for _ in range(repeats):
             for num, prompt_len, full_steps in calibration_batches(
-                    engine.config.scheduler.max_num_seqs, engine.max_model_len):
+                    default_slots(engine), engine.max_model_len):
                 _run_batch(engine, num, prompt_len, full_steps, rng, vocab, params,
                            collector, samples, whole_step)
     finally:
@@ -114,19 +114,28 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False,
     return StepTimeModel.fit(samples, relative=True)  # see the note on the fit
 
 
+def default_slots(engine) -> int:
+    """Sequences a batch of default-tier requests (the grid's) can run at once: under the
+    tiered policy the priority reserve's slots are not theirs."""
+    sc = engine.config.scheduler
+    return sc.max_num_seqs - (sc.reserved_priority_seqs if engine.scheduler.policy.tiered
+                              else 0)
+
+
 def _run_batch(engine, num: int, prompt_len: int, full_steps: int, rng, vocab: int,
                params: SamplingParams, collector: StatsCollector, samples: list,
                whole_step: bool) -> None:
     """Run one batch (see calibration_batches); append (step's sequences, seconds) per
-    step. The requests may decode to the end of the context; once `full_steps` steps have
-    decoded all of them together, the rest are aborted (a bound on the steps stops a batch
-    that never comes together, which the grid's sizes within the limits do not do)."""
-    room = engine.max_model_len - prompt_len
+    step. The requests may decode to the end of the context their tier allows; once
+    `full_steps` steps have decoded all of them together, the rest are aborted. A batch
+    that cannot come together (a KV pool too small for it, a context so short that its
+    first requests end before its last prompt is in) stops at a bound on its steps with
+    fewer full-size steps: the fit then has fewer of that size, and nothing fails."""
     ids = []
     for _ in range(num):
         prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]  # no prefix hits
         ids.append(engine.add_request(None, prompt, dataclasses.replace(
-            params, max_tokens=room if full_steps else 1)))
+            params, max_tokens=None if full_steps else 1)))
     full, bound = 0, full_steps + num * prompt_len // 16 + 64
     while engine.has_unfinished_requests() and bound > 0 and (not full_steps
                                                              or full < full_steps):
@@ -158,7 +167,7 @@ def cache_path(engine) -> Path:
     NOTE: why a cache. Calibrating takes 10-20 s of every start; the fit depends only on
     the machine, the software and the engine's shape, so the key holds all three (CPU
     model, threads, torch, the kernels' source, the model file, dtype, quantization,
-    device, block and batch limits). `tierserve calibrate` still measures afresh, and
+    device, block and batch limits, the policy's reserves). `tierserve calibrate` still measures afresh, and
     deleting the file (or TIERSERVE_CACHE_DIR pointing elsewhere) forces a new fit."""
     import torch
 
@@ -176,6 +185,7 @@ def cache_path(engine) -> Path:
         engine.runner.lean is not None, kernels.load() is not None,
         str(source), size, mc.dtype, mc.quantization, mc.device, mc.load_format,
         cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,
+        sc.policy, sc.reserved_priority_seqs, sc.reserved_priority_blocks,
         CACHE_VERSION])
     name = hashlib.sha256(key.encode()).hexdigest()[:24]
     root = Path(os.environ.get("TIERSERVE_CACHE_DIR") or Path.home() / ".cache" / "tierserve")
