@@ -66,9 +66,10 @@ def test_every_decode_batch_of_the_calibration_grid_is_measured_at_full_size(tmp
     """With the decode cap on (the default), prefill chunks enter more slowly than the
     step budget allows; each batch still gets its full-size decode steps, so the KV-token
     term is fitted on large batches at a long context, not on batches of 1-4 alone."""
-    from tierserve.engine.calibrate import calibrate, calibration_batches, default_slots
+    from tierserve.engine.calibrate import calibrate, calibration_batches
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
+    from tierserve.tiers import Tier
 
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path))
     engine = LLMEngine(engine_config(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=8))
@@ -76,7 +77,7 @@ def test_every_decode_batch_of_the_calibration_grid_is_measured_at_full_size(tmp
     steps = []
     calibrate(engine, steps=steps)
     assert all(seconds > 0 for _, seconds in steps)
-    for num, prompt_len, want in calibration_batches(default_slots(engine),
+    for num, prompt_len, want in calibration_batches(engine.scheduler.max_seqs(Tier.DEFAULT),
                                                      engine.max_model_len):
         if want:  # decodes of `num` sequences, all at this batch's context (the grid's two
             got = sum(1 for seqs, _ in steps if len(seqs) == num  # are 352 tokens apart)

@@ -399,9 +399,7 @@ class Scheduler:
 
     def _take_slot(self, request: Request, step: _Step) -> bool:
         """A sequence slot for a waiting request, preempting for it if the policy allows."""
-        limit = self.config.max_num_seqs
-        if self.policy.tiered and request.tier != Tier.PRIORITY:
-            limit -= self.config.reserved_priority_seqs
+        limit = self.max_seqs(request.tier)
         while len(self.running) >= limit:
             chosen = victim(self.policy, request, self.running, waiting=True)
             if chosen is None:
@@ -545,6 +543,13 @@ class Scheduler:
     def max_len(self, tier: Tier) -> int:
         """Longest prompt + output a request served in `tier` may reach in this engine."""
         return self.max_model_len if tier == Tier.PRIORITY else self.max_len_lower
+
+    def max_seqs(self, tier: Tier) -> int:
+        """Sequences of `tier` that may run at once: under the tiered policy the priority
+        reserve's slots are not the lower tiers'."""
+        if self.policy.tiered and tier != Tier.PRIORITY:
+            return self.config.max_num_seqs - self.config.reserved_priority_seqs
+        return self.config.max_num_seqs
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token = request.output_token_ids[-1]

@@ -41,6 +41,7 @@ from tierserve.core.stats import StatsCollector
 from tierserve.core.step_time import StepTimeModel
 from tierserve.model.generation import request_sampling
 from tierserve.sampling_params import SamplingParams
+from tierserve.tiers import Tier
 
 
 def calibration_batches(max_num_seqs: int, max_len: int) -> list[tuple[int, int, int]]:
@@ -102,7 +103,7 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False,
         _run_batch(engine, 2, 64, 2, rng, vocab, params, collector, [], False)  # warm-up
         for _ in range(repeats):
             for num, prompt_len, full_steps in calibration_batches(
-                    default_slots(engine), engine.max_model_len):
+                    engine.scheduler.max_seqs(Tier.DEFAULT), engine.max_model_len):
                 _run_batch(engine, num, prompt_len, full_steps, rng, vocab, params,
                            collector, samples, whole_step)
     finally:
@@ -112,14 +113,6 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False,
     if steps is not None:
         steps.extend(samples)
     return StepTimeModel.fit(samples, relative=True)  # see the note on the fit
-
-
-def default_slots(engine) -> int:
-    """Sequences a batch of default-tier requests (the grid's) can run at once: under the
-    tiered policy the priority reserve's slots are not theirs."""
-    sc = engine.config.scheduler
-    return sc.max_num_seqs - (sc.reserved_priority_seqs if engine.scheduler.policy.tiered
-                              else 0)
 
 
 def _run_batch(engine, num: int, prompt_len: int, full_steps: int, rng, vocab: int,
@@ -167,8 +160,9 @@ def cache_path(engine) -> Path:
     NOTE: why a cache. Calibrating takes 10-20 s of every start; the fit depends only on
     the machine, the software and the engine's shape, so the key holds all three (CPU
     model, threads, torch, the kernels' source, the model file, dtype, quantization,
-    device, block and batch limits, the policy's reserves). `tierserve calibrate` still measures afresh, and
-    deleting the file (or TIERSERVE_CACHE_DIR pointing elsewhere) forces a new fit."""
+    device, block and batch limits, the policy's reserves). `tierserve calibrate` still
+    measures afresh, and deleting the file (or TIERSERVE_CACHE_DIR pointing elsewhere)
+    forces a new fit."""
     import torch
 
     from tierserve.model import kernels
