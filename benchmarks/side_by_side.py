@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,24 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float, path: str = 
     raise RuntimeError(f"not ready after {timeout_s:.0f} s")
 
 
+def port_open(port: int) -> bool:
+    """Whether something accepts connections on 127.0.0.1:`port`."""
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 def measure(name: str, port: int, command: str, levels: list[int], args) -> list[dict]:
+    if port_open(port):   # the last server's children may outlive its shell for a moment:
+        # without this check its answers were taken for the next server's
+        for _ in range(60):
+            time.sleep(0.5)
+            if not port_open(port):
+                break
+        else:
+            print(f"side_by_side server={name} FAILED: port {port} is in use by another "
+                  "process", flush=True)
+            return []
     log = open(Path(args.logs) / f"{name}.log", "w")
     proc = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -89,8 +107,9 @@ def measure(name: str, port: int, command: str, levels: list[int], args) -> list
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL if it lingers; a group already gone
-    (the server exited during start-up) is not an error."""
+    """SIGTERM the server's process group, SIGKILL if any of it lingers (the shell may end
+    before the server it started); a group already gone (the server exited during
+    start-up) is not an error."""
     for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
         try:
             os.killpg(proc.pid, sig)
@@ -98,9 +117,15 @@ def stop_group(proc: subprocess.Popen) -> None:
             break
         try:
             proc.wait(timeout=wait_s)
-            break
         except subprocess.TimeoutExpired:
             continue
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def main(argv=None) -> int:

@@ -125,8 +125,10 @@ class SchedulerConfig:
     shortened; no decode is cut), but never below twice the decodes' own predicted time, so
     prompts still start when many streams run (and where more default-tier prompts are
     prefilling or could start than streams decode, each may take a stream's share of the
-    step). None: 2.5 times the priority cap; 0 turns it off. Applies where the priority
-    cap has a step-time model (calibrated or from a profile)."""
+    step); not at all through a burst (from a step with at least 4 times as many such
+    prompts as streams, until none is left: they take the whole token budget). None: 2.5
+    times the priority cap; 0 turns it off. Applies where the priority cap has a
+    step-time model (calibrated or from a profile)."""
     priority_guard_s: float = 10.0
     """tiered: the cap stays on this long after the last priority request left, so the
     next one finds a short step in flight (its wait for that step is part of its TTFT).

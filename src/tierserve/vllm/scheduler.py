@@ -18,7 +18,8 @@ NOTE: what is applied, and where
                 set from the tier, so its victim is always the lowest tier first);
     the cap     while priority is about (and `priority_guard_s` after), the step's token
                 budget shrinks so the predicted step time stays within the priority
-                cap; else steps that carry decodes keep to the decode cap. Running
+                cap; else steps that carry decodes keep to the decode cap (none while
+                a burst's prompts come in: core/tier_rules.py StepCaps.floor_s). Running
                 requests are ordered priority first, then decodes, then prefill chunks,
                 so the budget cuts lower tiers' prefill first; a step that gives a
                 priority request its first token carries no lower-tier work (every other
@@ -272,6 +273,8 @@ class TieredScheduler(AsyncScheduler):
         if decode_cap:
             limit = self.caps.floor_s(limit, model.fixed_s + decode_s,
                                       self._floor_prompts(), len(decoding))
+            if limit is None:   # a burst: prefilled first
+                return None, []
         head = self.waiting.head()
         first_token = head is not None and self.shadow[head.request_id].tier == Tier.PRIORITY
         first_token = first_token or any(
