@@ -106,26 +106,39 @@ def measure(name: str, port: int, command: str, levels: list[int], args) -> list
     return results
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies left to a PID 1 that does not
+    reap them do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue   # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
 def stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM the server's process group, SIGKILL if any of it lingers (the shell may end
     before the server it started); a group already gone (the server exited during
-    start-up) is not an error."""
+    start-up) is not an error, one that survives SIGKILL is reported."""
     for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            break
+            return
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             continue
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
+            if not group_alive(proc.pid):
                 return
             time.sleep(0.2)
+    print(f"# side_by_side: process group {proc.pid} still runs after SIGKILL; the next "
+          "server's figures may be skewed", flush=True)
 
 
 def main(argv=None) -> int:

@@ -206,24 +206,25 @@ def test_a_burst_of_prompts_gets_a_stream_s_share_each_beside_few_streams(max_nu
 @pytest.mark.parametrize("max_num_seqs", [32, 7])
 def test_a_burst_of_prompts_is_prefilled_first_until_it_is_in(max_num_seqs):
     """Four times as many default prompts that could start as streams decoding (a burst
-    beside the first streams): the decode cap is off and the prompts take the whole token budget, the
-    streams' decodes in the same steps, until none of the burst is left; a prompt then
-    arriving among the streams keeps to the cap again. Prompts no free slot could start do
-    not count: with five slots left, five prompts beside two streams get a stream's share
-    each."""
+    beside the first streams): the decode cap is off and the prompts take the whole token
+    budget, the streams' decodes first in each step, until none of the burst's prompts is
+    left. A prompt arriving meanwhile is not the burst's: once the burst is in, it keeps to
+    the cap. Prompts no free slot could start do not count: with five slots left, five
+    prompts beside two streams get a stream's share each."""
     model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
     s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
                        max_num_seqs=max_num_seqs, step_time_model=model,
                        step_time_limit_s=0.030, decode_step_time_s=0.040)
-    streams = make_requests(2, start=10, prompt_len=4, max_tokens=50, tier=D)
+    streams = make_requests(2, start=10, prompt_len=4, max_tokens=80, tier=D)
     for r in streams:
         s.add_request(r)
     while any(r.num_output_tokens == 0 for r in streams):
-        step(s)
-    burst = make_requests(8, start=20, prompt_len=400, max_tokens=2, tier=D)
+        step(s, now=12.0)
+    burst = make_requests(8, start=20, prompt_len=400, max_tokens=2, tier=D,
+                          arrival_time=50.0)
     for r in burst:
         s.add_request(r)
-    out = step(s)
+    out = step(s, now=50.0)
     got = {x.request_id: len(x.token_ids) for x in out.seqs}
     assert [got[r.request_id] for r in streams] == [1, 1]
     predicted = model.predict_s([(len(x.token_ids), x.start_pos + len(x.token_ids))
@@ -231,21 +232,26 @@ def test_a_burst_of_prompts_is_prefilled_first_until_it_is_in(max_num_seqs):
     if max_num_seqs == 7:   # five prompts count: (1 + 5 / 2) x 14 ms = 49 ms; r20: 34
         assert got["r20"] == 34 and predicted == pytest.approx(0.049)
         return
-    # the whole budget, 256 tokens less the two decodes; the next step the same
+    # the whole budget, 256 tokens less the two decodes
     assert got["r20"] == 254 and not out.refused_ids
+    late = make_requests(1, start=40, prompt_len=600, max_tokens=2, tier=D,
+                         arrival_time=60.0)[0]
+    s.add_request(late)   # arrives within the burst: not one of its prompts
     steps = 1
     while any(r.num_output_tokens == 0 for r in burst):
-        out = step(s)
+        out = step(s, now=60.0)
         steps += 1
         got = {x.request_id: len(x.token_ids) for x in out.seqs}
         assert all(got[r.request_id] == 1 for r in streams)
-        assert sum(got.values()) == 256 or all(r.num_output_tokens for r in burst)
-    assert steps == 13   # 3,200 prompt tokens in steps of the whole budget: no cap
-    step(s)               # a step with no prompt: the burst is over
-    late = make_requests(1, start=40, prompt_len=400, max_tokens=2, tier=D)[0]
-    s.add_request(late)   # one prompt among the two streams: the 40 ms cap again
-    got = {x.request_id: len(x.token_ids) for x in step(s).seqs}
-    assert got == {"r10": 1, "r11": 1, "r40": 25}
+        assert sum(got.values()) == 256   # no cap: the whole budget every step
+    assert steps == 13 and late.num_computed_tokens < 600
+    out = step(s, now=61.0)   # the burst is in; the late prompt keeps to the cap
+    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    decodes = [(1, x.start_pos + 1) for x in out.seqs if len(x.token_ids) == 1]
+    predicted = model.predict_s([(len(x.token_ids), x.start_pos + len(x.token_ids))
+                                 for x in out.seqs])
+    assert 0 < got["r40"] < 256 - len(decodes)
+    assert predicted <= max(0.040, 2 * model.predict_s(decodes)) + 1e-12
 
 
 def test_the_cap_corrects_its_model_from_the_steps_it_sizes():

@@ -150,6 +150,8 @@ class _Step:
     """A priority request waits for its first token: lower tiers sit this step out."""
     decodes_only_cap: bool = False
     """The cap is the decode cap (no priority about): it shortens prefill chunks only."""
+    burst: bool = False
+    """A burst lifted the decode cap (StepCaps.floor_s): decodes are placed first."""
     batch_prefill: int = 0
     """Prompt tokens batch-tier requests may still compute this step."""
     scheduled: dict = field(default_factory=dict)
@@ -268,8 +270,9 @@ class Scheduler:
             if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps;
                 step.time_limit_s = self.caps.floor_s(    # none through a burst
                     step.time_limit_s, step.time_s + step.pending_decode_s,
-                    *self._prompts_and_streams())
-                step.decodes_only_cap = step.time_limit_s is not None
+                    *self._prompts_and_streams(), now, self._burst_prompts)
+                step.burst = step.time_limit_s is None
+                step.decodes_only_cap = not step.burst
             step.priority_starting = self.caps.starting(self._num_priority > sum(
                 r.tier == Tier.PRIORITY and r.num_output_tokens > 0 for r in self.running))
         self._schedule_running(step)
@@ -292,7 +295,13 @@ class Scheduler:
         self.caps.observe(out.predicted_s, measured_s, out.capped)
 
     def _schedule_running(self, step: _Step) -> None:
-        for request in sorted(self.running, key=self.policy.key):
+        def decodes_first(r: Request) -> tuple:
+            return not self._is_decoding(r), self.policy.key(r)
+
+        # through a burst no cap leaves room for the decodes: they go first, so a prompt's
+        # chunk sorted ahead of them cannot take the whole budget
+        for request in sorted(self.running,
+                              key=decodes_first if step.burst else self.policy.key):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             want = request.num_tokens - request.num_computed_tokens
@@ -477,6 +486,15 @@ class Scheduler:
                                        self.config.max_num_seqs,
                                        self.config.reserved_priority_seqs,
                                        len(self.running)), streams
+
+    def _burst_prompts(self, since: float) -> int:
+        """_prompts_and_streams' prompts, of those that had arrived by `since` only."""
+        prefilling = sum(not self._is_decoding(r) and r.tier == Tier.DEFAULT
+                         and r.arrival_time <= since for r in self.running)
+        waiting = len({r.request_id for e in self._waiting if self._is_current(e)
+                       and (r := e[-1]).tier == Tier.DEFAULT and r.arrival_time <= since})
+        return self.caps.floor_prompts(prefilling, waiting, self.config.max_num_seqs,
+                                       self.config.reserved_priority_seqs, len(self.running))
 
     def _decode_cost_s(self, request: Request) -> float:
         return self.step_time_model.seq_cost_s(1, request.num_tokens)

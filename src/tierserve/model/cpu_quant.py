@@ -219,9 +219,11 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
       const int64_t ahead = g + PF;
       const char* c = reinterpret_cast<const char*>(blk + ahead * group * 32);
       for (int64_t l = 0; l < group * 32; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
-      const char* z = reinterpret_cast<const char*>(
-          ahead < groups ? sz + ahead * n * 2 : sz + ((ahead - groups) * n + 64) * 2);
-      for (int64_t l = 0; l < 256; l += 64) _mm_prefetch(z + l, _MM_HINT_T1);
+      if (ahead < 2 * groups) {   // (a layer of PF groups or fewer: nothing to ask for)
+        const char* z = reinterpret_cast<const char*>(
+            ahead < groups ? sz + ahead * n * 2 : sz + ((ahead - groups) * n + 64) * 2);
+        for (int64_t l = 0; l < 256; l += 64) _mm_prefetch(z + l, _MM_HINT_T1);
+      }
     }
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();

@@ -234,12 +234,13 @@ class TieredScheduler(AsyncScheduler):
             slots -= 1
             blocks -= held
 
-    def _floor_prompts(self) -> int:
+    def _floor_prompts(self, since: float | None = None) -> int:
         """Default-tier prompts that could use this step (the engine scheduler's
         _prompts_and_streams): those prefilling, and those waiting that a free slot could
-        start."""
+        start; of those that had arrived by `since` only, if given (a burst's)."""
         def default(r) -> bool:
-            return self.shadow[r.request_id].tier == Tier.DEFAULT
+            s = self.shadow[r.request_id]
+            return s.tier == Tier.DEFAULT and (since is None or s.arrival_time <= since)
 
         prefilling = sum(r.num_computed_tokens < r.num_prompt_tokens and default(r)
                          for r in self.running)
@@ -272,7 +273,8 @@ class TieredScheduler(AsyncScheduler):
         decode_s = sum(model.seq_cost_s(1, r.num_computed_tokens + 1) for r in decoding)
         if decode_cap:
             limit = self.caps.floor_s(limit, model.fixed_s + decode_s,
-                                      self._floor_prompts(), len(decoding))
+                                      self._floor_prompts(), len(decoding), now,
+                                      self._floor_prompts)
             if limit is None:   # a burst: prefilled first
                 return None, []
         head = self.waiting.head()
