@@ -167,21 +167,28 @@ def test_many_streams_over_the_decode_cap_still_let_a_prompt_in():
     assert got["r9"] == 49
 
 
+def _two_streams_decoding(max_num_seqs: int, max_tokens: int):
+    """A tiered scheduler (256-token budget, a 40 ms decode cap) with two default
+    streams past their first token: (its model, it, the streams)."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
+                       max_num_seqs=max_num_seqs, step_time_model=model,
+                       step_time_limit_s=0.030, decode_step_time_s=0.040)
+    streams = make_requests(2, start=10, prompt_len=4, max_tokens=max_tokens, tier=D)
+    for r in streams:
+        s.add_request(r)
+    while any(r.num_output_tokens == 0 for r in streams):
+        step(s, now=12.0)
+    return model, s, streams
+
+
 @pytest.mark.parametrize("max_num_seqs", [32, 3])
 def test_a_burst_of_prompts_gets_a_stream_s_share_each_beside_few_streams(max_num_seqs):
     """More default prompts that could start than streams decoding (a burst beside the
     first streams): each prompt may take as much of a step as a stream, so the step may
     exceed the decode cap. Prompts no free slot could start do not count: with one slot
     left the cap holds as before."""
-    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
-    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
-                       max_num_seqs=max_num_seqs, step_time_model=model,
-                       step_time_limit_s=0.030, decode_step_time_s=0.040)
-    streams = make_requests(2, start=10, prompt_len=4, max_tokens=50, tier=D)
-    for r in streams:
-        s.add_request(r)
-    while any(r.num_output_tokens == 0 for r in streams):
-        step(s)
+    model, s, streams = _two_streams_decoding(max_num_seqs, 50)
     burst = make_requests(6, start=20, prompt_len=400, max_tokens=2, tier=D)
     for r in burst:
         s.add_request(r)
@@ -211,15 +218,7 @@ def test_a_burst_of_prompts_is_prefilled_first_until_it_is_in(max_num_seqs):
     left. A prompt arriving meanwhile is not the burst's: once the burst is in, it keeps to
     the cap. Prompts no free slot could start do not count: with five slots left, five
     prompts beside two streams get a stream's share each."""
-    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
-    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=512,
-                       max_num_seqs=max_num_seqs, step_time_model=model,
-                       step_time_limit_s=0.030, decode_step_time_s=0.040)
-    streams = make_requests(2, start=10, prompt_len=4, max_tokens=80, tier=D)
-    for r in streams:
-        s.add_request(r)
-    while any(r.num_output_tokens == 0 for r in streams):
-        step(s, now=12.0)
+    model, s, streams = _two_streams_decoding(max_num_seqs, 80)
     burst = make_requests(8, start=20, prompt_len=400, max_tokens=2, tier=D,
                           arrival_time=50.0)
     for r in burst:
