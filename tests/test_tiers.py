@@ -253,6 +253,20 @@ def test_a_burst_of_prompts_is_prefilled_first_until_it_is_in(max_num_seqs):
     assert predicted <= max(0.040, 2 * model.predict_s(decodes)) + 1e-12
 
 
+def test_a_burst_s_steps_place_the_decodes_first():
+    """With no cap through a burst, a prompt that ranks ahead of the streams (here by its
+    request priority) still leaves a token each for their decodes: the decodes go first."""
+    _, s, streams = _two_streams_decoding(32, 80)
+    burst = make_requests(8, start=20, prompt_len=1000, max_tokens=2, tier=D,
+                          arrival_time=50.0)
+    for r in burst:
+        r.priority = -1
+        s.add_request(r)
+    for _ in range(3):   # r20's 1000 tokens take steps of the whole budget, past 3
+        got = {x.request_id: len(x.token_ids) for x in step(s, now=50.0).seqs}
+        assert [got.get(r.request_id) for r in streams] == [1, 1] and got["r20"] == 254
+
+
 def test_the_cap_corrects_its_model_from_the_steps_it_sizes():
     """Steps whose prefill the cap sized running 1.5x over their prediction shrink the
     next chunk so the step holds in measured time; decode-only steps, which the cap never
