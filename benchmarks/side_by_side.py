@@ -61,8 +61,8 @@ def port_open(port: int) -> bool:
 
 
 def measure(name: str, port: int, command: str, levels: list[int], args) -> list[dict]:
-    if port_open(port):   # the last server's children may outlive its shell for a moment:
-        # without this check its answers were taken for the next server's
+    if port_open(port):   # whatever answers there would be taken for this server (a
+        # server of the last run that outlived its shell was, once)
         for _ in range(60):
             time.sleep(0.5)
             if not port_open(port):

@@ -51,7 +51,7 @@ NOTE: the step-time cap (tiered)
     left, that cap is off: the burst is prefilled first at the token budget, the decodes
     in the same steps (tier_rules.BURST_RATIO says why).
 
-Why one file of about 590 lines: budget, cap, slots, blocks and preemption decide together
+Why one file of about 600 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
 the next request may take), so they share the `_Step` state and read best side by side;
 the step's update shares the queues and the block manager's invariants, checked together.
@@ -270,7 +270,8 @@ class Scheduler:
             if step.decodes_only_cap:   # never below DECODE_CAP_FLOOR decode-only steps;
                 step.time_limit_s = self.caps.floor_s(    # none through a burst
                     step.time_limit_s, step.time_s + step.pending_decode_s,
-                    *self._prompts_and_streams(), now, self._burst_prompts)
+                    self._floor_prompts(), sum(map(self._is_decoding, self.running)),
+                    now, self._floor_prompts)
                 step.burst = step.time_limit_s is None
                 step.decodes_only_cap = not step.burst
             step.priority_starting = self.caps.starting(self._num_priority > sum(
@@ -473,26 +474,16 @@ class Scheduler:
         m = self.step_time_model
         return num * (m.per_seq_s + m.per_token_s) + m.per_kv_token_s * context
 
-    def _prompts_and_streams(self) -> tuple[int, int]:
-        """(default-tier prompts that could use this step: those prefilling and those
-        waiting that a free slot could start, the running decodes), for the cap's floor."""
-        streams = prefilling = 0
-        for r in self.running:
-            if self._is_decoding(r):
-                streams += 1
-            elif r.tier == Tier.DEFAULT:
-                prefilling += 1
-        return self.caps.floor_prompts(prefilling, self._waiting_default,
-                                       self.config.max_num_seqs,
-                                       self.config.reserved_priority_seqs,
-                                       len(self.running)), streams
+    def _floor_prompts(self, since: float | None = None) -> int:
+        """Default-tier prompts that could use this step, for the cap's floor: those
+        prefilling and those waiting that a free slot could start; of those that had
+        arrived by `since` only, if given (a burst's: the queue is then read through)."""
+        def counts(r: Request) -> bool:
+            return r.tier == Tier.DEFAULT and (since is None or r.arrival_time <= since)
 
-    def _burst_prompts(self, since: float) -> int:
-        """_prompts_and_streams' prompts, of those that had arrived by `since` only."""
-        prefilling = sum(not self._is_decoding(r) and r.tier == Tier.DEFAULT
-                         and r.arrival_time <= since for r in self.running)
-        waiting = len({r.request_id for e in self._waiting if self._is_current(e)
-                       and (r := e[-1]).tier == Tier.DEFAULT and r.arrival_time <= since})
+        prefilling = sum(not self._is_decoding(r) and counts(r) for r in self.running)
+        waiting = self._waiting_default if since is None else len(
+            {r.request_id for e in self._waiting if self._is_current(e) and counts(r := e[-1])})
         return self.caps.floor_prompts(prefilling, waiting, self.config.max_num_seqs,
                                        self.config.reserved_priority_seqs, len(self.running))
 

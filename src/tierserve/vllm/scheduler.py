@@ -236,7 +236,7 @@ class TieredScheduler(AsyncScheduler):
 
     def _floor_prompts(self, since: float | None = None) -> int:
         """Default-tier prompts that could use this step (the engine scheduler's
-        _prompts_and_streams): those prefilling, and those waiting that a free slot could
+        _floor_prompts): those prefilling, and those waiting that a free slot could
         start; of those that had arrived by `since` only, if given (a burst's)."""
         def default(r) -> bool:
             s = self.shadow[r.request_id]
