@@ -2,6 +2,7 @@
 agreement of next-token distributions, teacher-forced over the varied text below.
 
     python benchmarks/quant_quality.py [--model PATH] [--chunk 512] [--threads 2] [--lean]
+                                       [--decode] [--only REGEX]
 
 One line per format. The reference is the checkpoint in float32 (for the default model,
 whose linear weights are Q4_1 and embeddings Q8_0, that is the file's exact values: a
@@ -11,7 +12,9 @@ at every size, as a decode does (the dequantizing path of long prefills is the s
 weights with one more bfloat16 rounding). With `--lean` the lean step's own 4- and 8-bit
 kernels run where a piece has at most 96 tokens (`--chunk 96`: what decode steps compute,
 inputs rounded to int8 per 32 for the 4-bit layers); longer pieces take its dequantizing
-path.
+path. With `--decode`, bf16 and gguf also run as the engine decodes, one token per lean
+step through the paged decode kernel, with the KV cache in the model's dtype and in int8
+(`--kv-cache-dtype int8`): the two differ only in the cache.
 
 Formats: bf16 (--quantization none), int8, gguf, each with the lm_head quantized (the
 default) and kept bfloat16; q4_0 (the weights requantized to Q4_0 blocks by the `gguf`
@@ -23,6 +26,7 @@ requantized to int8 per channel as --quantization gguf does with Q6_K blocks).
 import argparse
 import copy
 import platform
+import re
 import sys
 import time
 
@@ -191,6 +195,7 @@ def q6k_sim(w: torch.Tensor) -> torch.Tensor:
 
 
 LEAN = ", lean step"
+DECODED = ", decoded, kv_cache_dtype="
 GGUF = "gguf (Q4_1->int4, Q8_0 head->int8)"
 
 
@@ -251,9 +256,16 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lean", action="store_true",
                    help="also bf16 and gguf through the lean step (one C++ forward pass)")
+    p.add_argument("--decode", action="store_true",
+                   help="also bf16 and gguf decoded one token per step through the lean "
+                        "step, with the KV cache in the model's dtype and in int8 "
+                        "(--kv-cache-dtype)")
+    p.add_argument("--only", default=None,
+                   help="a regular expression: run the formats whose names match (default: all)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from tierserve.config import ModelConfig
+    from tierserve.model import cpu_step, kernels
     from tierserve.model.loader import load_model
     from tierserve.model.tokenizer import Tokenizer
 
@@ -263,19 +275,33 @@ def main(argv=None) -> int:
     docs = documents(Tokenizer.load(loaded.tokenizer_source), args.chunk)
     formats = build_formats(ref, loaded.source)
     if args.lean:
-        from tierserve.model import kernels
         if kernels.load() is None:
             print("quant_quality: --lean needs the CPU kernels", file=sys.stderr)
             return 1
         formats |= {name + LEAN: formats[name] for name in ("bf16 (none)", GGUF)}
+    if args.decode:
+        if kernels.load() is None:
+            print("quant_quality: --decode needs the CPU kernels", file=sys.stderr)
+            return 1
+        formats |= {f"{name}{DECODED}{kv}": formats[name] for name in ("bf16 (none)", GGUF)
+                    for kv in ("auto", "int8")}
+    if args.only:
+        formats = {n: m for n, m in formats.items() if re.search(args.only, n)}
+        if not formats:
+            print(f"quant_quality: no format name matches {args.only!r}", file=sys.stderr)
+            return 2
     kl = {name: 0.0 for name in formats}
     top1 = {name: 0 for name in formats}
     count = 0
     for tokens in docs:
         ref_lp = torch.log_softmax(logits(ref, tokens), -1)
         for name, model in formats.items():
-            lean = name.endswith(LEAN)
-            lp = torch.log_softmax(logits(model, tokens, lean), -1)
+            if DECODED in name:
+                out = cpu_step.decode_logits(kernels.load(), model, tokens,
+                                             name.rpartition(DECODED)[2])
+            else:
+                out = logits(model, tokens, name.endswith(LEAN))
+            lp = torch.log_softmax(out, -1)
             kl[name] += (ref_lp.exp() * (ref_lp - lp)).sum(-1).sum().item()
             top1[name] += (lp.argmax(-1) == ref_lp.argmax(-1)).sum().item()
         count += len(tokens)

@@ -124,7 +124,7 @@ def memory_lines(engines: dict, kv_gb: float, block_size: int) -> list[str]:
     return lines
 
 
-def make_engine(fmt: str, args, lm_head: bool = True):
+def make_engine(fmt: str, args, lm_head: bool = True, kv_cache_dtype: str = "auto"):
     from unittest import mock
 
     from tierserve.engine.llm_engine import LLMEngine
@@ -133,7 +133,8 @@ def make_engine(fmt: str, args, lm_head: bool = True):
 
     config = engine_config(
         dtype="bfloat16", quantization=fmt, kv_cache_memory_gb=args.kv_cache_memory_gb,
-        block_size=args.block_size, priority_step_time_s=0, enable_prefix_caching=False)
+        block_size=args.block_size, priority_step_time_s=0, enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype)
     if lm_head:
         return LLMEngine(config)
     # No flag keeps the head in bfloat16 (the default quantizes it): the loader's call

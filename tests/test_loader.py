@@ -257,6 +257,48 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
         assert torch.equal(alone, out[-few:])
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+def test_paged_decode_on_an_int8_cache_matches_attention_over_its_values(dtype, tol, heads,
+                                                                         kv_heads, dim):
+    """--kv-cache-dtype int8: int8 keys and values, a float32 scale per position and KV
+    head. The kernel's answer is attention over the values those stand for (bfloat16
+    queries take integer dot products: each query head rounded to int8 on its own scale,
+    the probabilities to int16)."""
+    from tierserve.model import cpu_attention, kernels
+    kernel = kernels.load()
+    if kernel is None:
+        pytest.skip("no C++ toolchain: the torch path is used instead")
+    gen = torch.Generator().manual_seed(1)
+    num_blocks, bs, batch, width = 64, 16, 5, 7
+
+    def int8_cache():
+        x = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+        scale = x.abs().amax(-1) / 127
+        return torch.round(x / scale[..., None]).to(torch.int8), scale
+
+    (k8, ks), (v8, vs) = int8_cache(), int8_cache()
+    lens = torch.tensor([1, 17, 40, 100, 3])
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
+                          for _ in range(batch)])
+    q = torch.randn(batch, heads, dim, generator=gen).to(dtype)
+    out = cpu_attention.paged_decode(kernel, q, k8, v8, tables, lens, ks, vs)
+    keys = (k8.float() * ks[..., None])[tables].flatten(1, 2)
+    values = (v8.float() * vs[..., None])[tables].flatten(1, 2)
+    mask = (torch.arange(width * bs)[None] < lens[:, None])[:, None, None, :]
+    g = heads // kv_heads
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, kv_heads, g, dim).float(), keys.transpose(1, 2),
+        values.transpose(1, 2), attn_mask=mask).reshape(batch, heads, dim)
+    assert (out.float() - ref).abs().max().item() < tol
+    for few in (1, 3):
+        alone = cpu_attention.paged_decode(kernel, q[-few:], k8, v8, tables[-few:],
+                                           lens[-few:], ks, vs)
+        assert torch.equal(alone, out[-few:])
+    with pytest.raises(RuntimeError, match="int8 cache needs its scales"):
+        cpu_attention.paged_decode(kernel, q, k8, v8, tables, lens)
+
+
 @pytest.mark.parametrize("model", ["default", "gemma3-270m"])
 def test_the_gateways_tokenizer_gives_the_engines_ids(model, tmp_path):
     """A fleet gateway counts and renders with `tokenizers` and jinja2 (no transformers,

@@ -14,14 +14,15 @@ import inspect
 import types
 from dataclasses import MISSING, fields
 
-from tierserve.config import (DEPLOYMENTS, DTYPES, LOAD_FORMATS, POLICIES, QUANTIZATIONS,
-                              CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+from tierserve.config import (DEPLOYMENTS, DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, POLICIES,
+                              QUANTIZATIONS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
                               SpeculativeConfig, TierConfig, resolve_dtype)
 
 SECTIONS = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
             ("tiers", TierConfig))
 CHOICES = {"dtype": DTYPES, "load_format": LOAD_FORMATS, "policy": POLICIES,
-           "deployment": DEPLOYMENTS, "quantization": QUANTIZATIONS}
+           "deployment": DEPLOYMENTS, "quantization": QUANTIZATIONS,
+           "kv_cache_dtype": KV_CACHE_DTYPES}
 CONVERT = {"dtype": resolve_dtype}
 """Flags whose value is rewritten on parsing, so code reading `args` (the benchmarks echo
 args.dtype) sees `bfloat16` where `auto` was given."""

@@ -160,9 +160,9 @@ def cache_path(engine) -> Path:
     NOTE: why a cache. Calibrating takes 10-20 s of every start; the fit depends only on
     the machine, the software and the engine's shape, so the key holds all three (CPU
     model, threads, torch, the kernels' source, the model file, dtype, quantization,
-    device, block and batch limits, the policy's reserves). `tierserve calibrate` still
-    measures afresh, and deleting the file (or TIERSERVE_CACHE_DIR pointing elsewhere)
-    forces a new fit."""
+    device, the KV cache's dtype, block and batch limits, the policy's reserves).
+    `tierserve calibrate` still measures afresh, and deleting the file (or
+    TIERSERVE_CACHE_DIR pointing elsewhere) forces a new fit."""
     import torch
 
     from tierserve.model import kernels
@@ -178,7 +178,7 @@ def cache_path(engine) -> Path:
         hashlib.sha256(kernels.source().encode()).hexdigest()[:16],
         engine.runner.lean is not None, kernels.load() is not None,
         str(source), size, mc.dtype, mc.quantization, mc.device, mc.load_format,
-        cc.block_size, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,
+        cc.block_size, cc.kv_cache_dtype, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,
         sc.policy, sc.reserved_priority_seqs, sc.reserved_priority_blocks,
         CACHE_VERSION])
     name = hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -61,7 +61,8 @@ class LLMEngine:
         widened = _widen_bf16(mc)
         dtype_bytes = 4 if mc.dtype == "float32" else 2
         num_blocks = cc.num_kv_blocks or int(
-            cc.kv_cache_memory_gb * 2**30 // (shape.kv_bytes_per_token(dtype_bytes) * cc.block_size))
+            cc.kv_cache_memory_gb * 2**30
+            // (shape.kv_bytes_per_token(dtype_bytes, cc.kv_cache_dtype) * cc.block_size))
         if num_blocks < 1:
             raise ConfigError("kv_cache_memory_gb is too small for one KV block")
         self.max_model_len = min(mc.max_model_len or min(shape.max_position_embeddings,
@@ -114,8 +115,10 @@ class LLMEngine:
                 f"{spec.disable_by_batch_size} requests run")
         self.core.accounting.sinks.extend(stat_sinks or [])
         self.scheduler, self.block_manager = self.core.scheduler, self.core.block_manager
-        self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed)
-        say(f"KV cache: {num_blocks} blocks of {cc.block_size} tokens; "
+        self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed,
+                                  kv_cache_dtype=cc.kv_cache_dtype)
+        say(f"KV cache: {num_blocks} blocks of {cc.block_size} tokens"
+            f"{' in int8' if cc.kv_cache_dtype == 'int8' else ''}; "
             f"max_model_len {self.max_model_len}")
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()

@@ -30,6 +30,7 @@ SOURCE = r"""
 #include <cmath>
 #include <math.h>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512BF16__)
@@ -71,10 +72,13 @@ static inline void softmax_rows(float* scores, int64_t g, int64_t L) {
 // One sequence, head dim D fixed at compile time so the per-head accumulators stay in
 // vector registers. Loop order: per KV head, per token: widen K (or V) once, use it for
 // the g query heads that share it.
-template <typename T, int D>
-static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                         T* out, int64_t H, int64_t Hkv, int64_t bs, float scale,
-                         float* scores, float* kf, int64_t h0, int64_t h1) {
+// C: the cache's element type, T's own or int8_t with a scale per position and KV head in
+// ks / vs (null for T's).
+template <typename T, typename C, int D>
+static void one_sequence(const T* q, const C* kc, const C* vc, const float* ks,
+                         const float* vs, const int64_t* table, int64_t L, T* out, int64_t H,
+                         int64_t Hkv, int64_t bs, float scale, float* scores, float* kf,
+                         int64_t h0, int64_t h1) {
   const int64_t g = H / Hkv, row = Hkv * D;
   for (int64_t h = h0; h < h1; ++h) {
     float qf[8][D];  // g <= 8 query heads per KV head
@@ -82,24 +86,26 @@ static void one_sequence(const T* q, const T* kc, const T* vc, const int64_t* ta
       for (int x = 0; x < D; ++x) qf[j][x] = to_float(q[(h * g + j) * D + x]) * scale;
     int64_t blk = 0, off = 0;
     for (int64_t t = 0; t < L; ++t) {
-      const T* k = kc + (table[blk] * bs + off) * row + h * D;
+      const int64_t pos = table[blk] * bs + off;
       if (++off == bs) { off = 0; ++blk; }
-      widen(k, kf, D);
+      widen(kc + pos * row + h * D, kf, D);
+      const float ksc = ks ? ks[pos * Hkv + h] : 1.f;
       for (int64_t j = 0; j < g; ++j) {
         float dot = 0.f;
         for (int x = 0; x < D; ++x) dot += qf[j][x] * kf[x];
-        scores[j * L + t] = dot;
+        scores[j * L + t] = dot * ksc;
       }
     }
     softmax_rows(scores, g, L);
     float acc[8][D] = {};
     blk = off = 0;
     for (int64_t t = 0; t < L; ++t) {
-      const T* v = vc + (table[blk] * bs + off) * row + h * D;
+      const int64_t pos = table[blk] * bs + off;
       if (++off == bs) { off = 0; ++blk; }
-      widen(v, kf, D);
+      widen(vc + pos * row + h * D, kf, D);
+      const float vsc = vs ? vs[pos * Hkv + h] : 1.f;
       for (int64_t j = 0; j < g; ++j) {
-        const float p = scores[j * L + t];
+        const float p = scores[j * L + t] * vsc;
         for (int x = 0; x < D; ++x) acc[j][x] += p * kf[x];
       }
     }
@@ -151,21 +157,28 @@ static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
 // the L3 hint, no better; whole rows for every head at once, worse). An L1 hint fills the
 // small L1 with lines needed only 32 positions later, probably pushing out ones in use.
 constexpr int64_t AHEAD = 64;
-template <int D>
+// E: the cache's element type (bfloat16, or int8_t for the 8-bit cache, whose scales, one
+// float per position and KV head, are asked for a block at a time).
+template <int D, typename E>
 struct Prefetcher {
   const char* base;
+  const char* scales;
   const int64_t* table;
-  int64_t L, bs, row_bytes, t = 0, blk = 0, off = 0;
-  Prefetcher(const at::BFloat16* cache, const int64_t* table, int64_t L, int64_t bs,
+  int64_t L, bs, row_bytes, block_scale_bytes, t = 0, blk = 0, off = 0;
+  Prefetcher(const E* cache, const float* scales, const int64_t* table, int64_t L, int64_t bs,
              int64_t row, int64_t h)
-      : base(reinterpret_cast<const char*>(cache + h * D)), table(table), L(L), bs(bs),
-        row_bytes(row * 2) {
+      : base(reinterpret_cast<const char*>(cache + h * D)),
+        scales(reinterpret_cast<const char*>(scales)), table(table), L(L), bs(bs),
+        row_bytes(row * sizeof(E)), block_scale_bytes(bs * (row / D) * 4) {
     for (int64_t i = 0; i < AHEAD; ++i) next();
   }
   inline void next() {   // the next position: ask for it, move on
     if (t >= L) return;
     const char* p = base + (table[blk] * bs + off) * row_bytes;
-    for (int l = 0; l < D * 2; l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+    for (int l = 0; l < D * static_cast<int>(sizeof(E)); l += 64) _mm_prefetch(p + l, _MM_HINT_T1);
+    if (scales && off == 0)
+      for (int64_t l = 0; l < block_scale_bytes; l += 64)
+        _mm_prefetch(scales + table[blk] * block_scale_bytes + l, _MM_HINT_T1);
     ++t;
     if (++off == bs) { off = 0; ++blk; }
   }
@@ -193,7 +206,7 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
       for (int v = 0; v < KV; ++v)
         qv[j][v] = (__m512bh)_mm512_loadu_si512(q + (h * g + j) * D + 32 * v);
     int64_t blk = 0, off = 0;
-    Prefetcher<D> kpf(kc, table, L, bs, row, h);
+    Prefetcher<D, at::BFloat16> kpf(kc, nullptr, table, L, bs, row, h);
     for (int64_t t0 = 0; t0 < L; t0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
       const at::BFloat16* kp[16];
@@ -223,7 +236,7 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
     for (int64_t j = 0; j < g; ++j)
       for (int u = 0; u < 2 * KV; ++u) acc[j][u] = _mm512_setzero_ps();
     blk = off = 0;
-    Prefetcher<D> vpf(vc, table, L, bs, row, h);
+    Prefetcher<D, at::BFloat16> vpf(vc, nullptr, table, L, bs, row, h);
     for (int64_t t = 0; t < L; t += 2) {
       vpf.next();
       vpf.next();
@@ -262,12 +275,153 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
       }
   }
 }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The 8-bit cache (int8 rows, a float32 scale per position and KV head) on integer dot
+// products (AVX-512 VNNI). Keys: each query head rounded to int8 with its own scale, and
+// each key row's bytes read as unsigned by flipping their sign bit (k + 128, what vpdpbusd
+// multiplies), so one instruction takes a position's 64-byte dot with a query head; the
+// 128 * sum(q) it adds is taken off after the 16 dots are summed (exact in float32: every
+// partial sum is an integer below 2^24). Values: the probabilities times each position's
+// value scale, as int16 on a scale per query head that keeps 127 * their sum below 2^31,
+// and the rows widened to int16, so vpdpwssd adds p_t v_t + p_t+1 v_t+1 for 16 dimensions
+// (two positions interleaved, as the bfloat16 kernel does). Per position and head this is
+// about as many instructions as the bfloat16 kernel, on half the bytes.
+template <int D>
+static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_t* vc,
+                            const float* ks, const float* vs, const int64_t* table, int64_t L,
+                            at::BFloat16* out, int64_t H, int64_t Hkv, int64_t bs, float scale,
+                            float* scores, int16_t* probs, float* vscale, int64_t h0,
+                            int64_t h1) {
+  constexpr int K8 = D / 64;   // vectors of 64 int8 per row
+  constexpr int K16 = D / 32;  // vectors of 32 int16 per row
+  const int64_t g = H / Hkv, row = Hkv * D;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t h = h0; h < h1; ++h) {
+    __m512i qv[8][K8];
+    float qscale[8];
+    __m512 qcorr[8];
+    for (int64_t j = 0; j < g; ++j) {
+      const at::BFloat16* qj = q + (h * g + j) * D;
+      float amax = 0.f;
+      for (int x = 0; x < D; ++x) amax = std::max(amax, std::fabs(static_cast<float>(qj[x])));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      alignas(64) int8_t q8[D];
+      int32_t sum = 0;
+      for (int x = 0; x < D; ++x) {
+        q8[x] = static_cast<int8_t>(std::nearbyint(static_cast<float>(qj[x]) * inv));
+        sum += q8[x];
+      }
+      for (int v = 0; v < K8; ++v) qv[j][v] = _mm512_load_si512(q8 + 64 * v);
+      qscale[j] = amax / 127.f * scale;
+      qcorr[j] = _mm512_set1_ps(128.f * static_cast<float>(sum));
+    }
+    int64_t blk = 0, off = 0;
+    Prefetcher<D, int8_t> kpf(kc, ks, table, L, bs, row, h);
+    for (int64_t t0 = 0; t0 < L; t0 += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+      __m512i kr[16][K8];
+      float ksc[16] = {};
+      for (int i = 0; i < n; ++i) {
+        const int64_t pos = table[blk] * bs + off;
+        if (++off == bs) { off = 0; ++blk; }
+        for (int v = 0; v < K8; ++v)
+          kr[i][v] = _mm512_xor_si512(_mm512_loadu_si512(kc + pos * row + h * D + 64 * v), flip);
+        ksc[i] = ks[pos * Hkv + h];
+        kpf.next();
+      }
+      const __m512 kscale = _mm512_loadu_ps(ksc);
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) {
+          __m512i acc = _mm512_setzero_si512();
+          if (i < n)
+            for (int v = 0; v < K8; ++v) acc = _mm512_dpbusd_epi32(acc, kr[i][v], qv[j][v]);
+          a[i] = _mm512_cvtepi32_ps(acc);
+        }
+        const __m512 dots = _mm512_sub_ps(sum16(a), qcorr[j]);
+        _mm512_mask_storeu_ps(scores + j * L + t0, static_cast<__mmask16>((1u << n) - 1),
+                              _mm512_mul_ps(_mm512_mul_ps(dots, kscale),
+                                            _mm512_set1_ps(qscale[j])));
+      }
+    }
+    softmax_rows(scores, g, L);
+    blk = off = 0;
+    for (int64_t t = 0; t < L; ++t) {
+      vscale[t] = vs[(table[blk] * bs + off) * Hkv + h];
+      if (++off == bs) { off = 0; ++blk; }
+    }
+    float unscale[8];
+    for (int64_t j = 0; j < g; ++j) {
+      float* sj = scores + j * L;
+      float top = 0.f, sum = 0.f;
+      for (int64_t t = 0; t < L; ++t) {
+        sj[t] *= vscale[t];
+        top = std::max(top, sj[t]);
+        sum += sj[t];
+      }
+      const float S = top > 0.f ? std::min(32767.f / top, 0.99f * 2147483648.f / (127.f * sum))
+                                : 0.f;
+      int16_t* pj = probs + j * (L + 2);
+      for (int64_t t = 0; t < L; ++t) pj[t] = static_cast<int16_t>(std::nearbyint(sj[t] * S));
+      pj[L] = 0;  // an odd last position pairs with a zero row
+      unscale[j] = S > 0.f ? 1.f / S : 0.f;
+    }
+    __m512i acc[8][2 * K16];  // [2u]: dims 32u + {0-3, 8-11, 16-19, 24-27}; [2u+1]: the rest
+    for (int64_t j = 0; j < g; ++j)
+      for (int u = 0; u < 2 * K16; ++u) acc[j][u] = _mm512_setzero_si512();
+    blk = off = 0;
+    Prefetcher<D, int8_t> vpf(vc, vs, table, L, bs, row, h);
+    for (int64_t t = 0; t < L; t += 2) {
+      vpf.next();
+      vpf.next();
+      __m512i a[K16], b[K16];
+      const int8_t* v0 = vc + (table[blk] * bs + off) * row + h * D;
+      if (++off == bs) { off = 0; ++blk; }
+      for (int u = 0; u < K16; ++u)
+        a[u] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 32 * u)));
+      if (t + 1 < L) {
+        const int8_t* v1 = vc + (table[blk] * bs + off) * row + h * D;
+        if (++off == bs) { off = 0; ++blk; }
+        for (int u = 0; u < K16; ++u)
+          b[u] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 32 * u)));
+      } else {
+        for (int u = 0; u < K16; ++u) b[u] = _mm512_setzero_si512();
+      }
+      __m512i pairs[2 * K16];
+      for (int u = 0; u < K16; ++u) {
+        pairs[2 * u] = _mm512_unpacklo_epi16(a[u], b[u]);
+        pairs[2 * u + 1] = _mm512_unpackhi_epi16(a[u], b[u]);
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        int32_t p2;
+        std::memcpy(&p2, probs + j * (L + 2) + t, sizeof(p2));
+        const __m512i p = _mm512_set1_epi32(p2);
+        for (int u = 0; u < 2 * K16; ++u) acc[j][u] = _mm512_dpwssd_epi32(acc[j][u], pairs[u], p);
+      }
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t j = 0; j < g; ++j) {
+      const __m512 un = _mm512_set1_ps(unscale[j]);
+      for (int u = 0; u < K16; ++u) {
+        at::BFloat16* o = out + (h * g + j) * D + 32 * u;
+        const __m512 x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][2 * u]), un);
+        const __m512 x1 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][2 * u + 1]), un);
+        const __m512 r0 = _mm512_permutex2var_ps(x0, lo, x1);
+        const __m512 r1 = _mm512_permutex2var_ps(x0, hi, x1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(r0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(r1));
+      }
+    }
+  }
+}
+#endif
 #endif
 
-template <typename T, int D>
-static void run(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
-                int64_t width, float scale) {
+template <typename T, typename C, int D>
+static void run(const T* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                const int64_t* tables, const int64_t* lens, T* out, int64_t B, int64_t H,
+                int64_t Hkv, int64_t bs, int64_t width, float scale) {
   int64_t max_len = 0;
   for (int64_t s = 0; s < B; ++s) max_len = std::max(max_len, lens[s]);
   // Queries are taken from both ends in turn (0, B-1, 1, B-2, ...): a speculating decode's
@@ -278,28 +432,40 @@ static void run(const T* q, const T* kc, const T* vc, const int64_t* tables,
   // thread computes it.
   const int64_t per = B < 2 * at::get_num_threads() ? 1 : Hkv;   // KV heads per item
   at::parallel_for(0, B * Hkv / per, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(8 * max_len), kf(D);
-    std::vector<uint16_t> probs(8 * (max_len + 2));
+    std::vector<float> scores(8 * max_len), kf(D), vscale(max_len);
+    std::vector<int16_t> probs(8 * (max_len + 2));
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item * per / Hkv, h0 = item * per % Hkv, h1 = h0 + per;
       const int64_t s = i % 2 ? B - 1 - i / 2 : i / 2;
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same<T, at::BFloat16>::value) {
+      if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<C, T>::value) {
         one_sequence_bf16<D>(q + s * H * D, kc, vc, tables + s * width, lens[s],
                              out + s * H * D, H, Hkv, bs, scale, scores.data(),
-                             probs.data(), h0, h1);
+                             reinterpret_cast<uint16_t*>(probs.data()), h0, h1);
+        continue;
+      }
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if constexpr (std::is_same<T, at::BFloat16>::value && std::is_same<C, int8_t>::value) {
+        one_sequence_i8<D>(q + s * H * D, kc, vc, ks, vs, tables + s * width, lens[s],
+                           out + s * H * D, H, Hkv, bs, scale, scores.data(), probs.data(),
+                           vscale.data(), h0, h1);
         continue;
       }
 #endif
-      one_sequence<T, D>(q + s * H * D, kc, vc, tables + s * width, lens[s], out + s * H * D,
-                         H, Hkv, bs, scale, scores.data(), kf.data(), h0, h1);
+#endif
+      one_sequence<T, C, D>(q + s * H * D, kc, vc, ks, vs, tables + s * width, lens[s],
+                            out + s * H * D, H, Hkv, bs, scale, scores.data(), kf.data(),
+                            h0, h1);
     }
   });
 }
 
+// Caches [blocks, block_size, Hkv, d] in q's dtype, or int8 with float32 scales
+// [blocks, block_size, Hkv] (the 8-bit cache).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor block_tables, torch::Tensor context_lens,
-                           double scale) {
+                           double scale, std::optional<torch::Tensor> k_scales,
+                           std::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong);
@@ -307,13 +473,31 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), width = block_tables.size(1);
   TORCH_CHECK(H % Hkv == 0 && H / Hkv <= 8, "need num_heads / num_kv_heads <= 8");
   TORCH_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128");
+  const bool int8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(int8 == k_scales.has_value() && int8 == v_scales.has_value() &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "an int8 cache needs its scales, and only it");
+  TORCH_CHECK(int8 || k_cache.scalar_type() == q.scalar_type(), "cache and q dtypes differ");
+  if (int8)
+    TORCH_CHECK(k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
+                k_scales->is_contiguous() && v_scales->is_contiguous() &&
+                k_scales->numel() == k_cache.numel() / d && v_scales->numel() == k_scales->numel(),
+                "scales: contiguous float32 [blocks, block_size, Hkv]");
   auto out = torch::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto go = [&](auto dim) {
-      run<scalar_t, decltype(dim)::value>(
-          q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-          block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-          out.data_ptr<scalar_t>(), B, H, Hkv, bs, width, static_cast<float>(scale));
+      constexpr int D = decltype(dim)::value;
+      if (int8)
+        run<scalar_t, int8_t, D>(
+            q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+            k_scales->data_ptr<float>(), v_scales->data_ptr<float>(),
+            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+            out.data_ptr<scalar_t>(), B, H, Hkv, bs, width, static_cast<float>(scale));
+      else
+        run<scalar_t, scalar_t, D>(
+            q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+            nullptr, nullptr, block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+            out.data_ptr<scalar_t>(), B, H, Hkv, bs, width, static_cast<float>(scale));
     };
     if (d == 64) go(std::integral_constant<int, 64>{});
     else go(std::integral_constant<int, 128>{});
@@ -329,7 +513,10 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
 
 
 def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """q [D, H, d]; caches [blocks, block_size, Hkv, d]; tables [D, width]; lens [D]."""
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 k_scales: torch.Tensor | None = None,
+                 v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q [D, H, d]; caches [blocks, block_size, Hkv, d]; tables [D, width]; lens [D]. An
+    int8 cache comes with its float32 scales [blocks, block_size, Hkv]."""
     return kernel.paged_decode(q.contiguous(), k_cache, v_cache, block_tables, context_lens,
-                               q.shape[-1] ** -0.5)
+                               q.shape[-1] ** -0.5, k_scales, v_scales)

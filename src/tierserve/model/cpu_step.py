@@ -118,11 +118,29 @@ static void add_rmsnorm(T* h, const T* a, const T* w, T* x, int64_t rows, int64_
   });
 }
 
-// Rotate-half RoPE of q and k from a qkv row; q to its own buffer, k back in place and, with
-// v, into the paged cache at the token's slot. cos/sin: float32 [rows, d], sin signed.
+// A head's d values into the 8-bit cache: int8 with one float32 scale, the largest
+// magnitude / 127 (symmetric, round to nearest).
 template <typename T>
+static inline void store_head(const T* x, int8_t* dst, float* scale, int64_t d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < d; ++i)
+    dst[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) * inv));
+  *scale = amax / 127.f;
+}
+template <typename T>
+static inline void store_head(const T* x, T* dst, float*, int64_t d) {
+  std::memcpy(dst, x, d * sizeof(T));
+}
+
+// Rotate-half RoPE of q and k from a qkv row; q to its own buffer, k back in place and, with
+// v, into the paged cache at the token's slot. cos/sin: float32 [rows, d], sin signed. C: the
+// cache's element type, T or int8_t (then ks / vs take each head's scale).
+template <typename T, typename C>
 static void rope_store(T* qkv, T* q, const float* cos, const float* sin, const int64_t* slots,
-                       T* kc, T* vc, int64_t rows, int64_t nh, int64_t nkv, int64_t d) {
+                       C* kc, C* vc, float* ks, float* vs, int64_t rows, int64_t nh,
+                       int64_t nkv, int64_t d) {
   const int64_t width = (nh + 2 * nkv) * d, half = d / 2;
   at::parallel_for(0, rows, grain(width), [&](int64_t begin, int64_t end) {
     std::vector<float> xf(d);
@@ -130,17 +148,21 @@ static void rope_store(T* qkv, T* q, const float* cos, const float* sin, const i
       T* row = qkv + r * width;
       const float* c = cos + r * d;
       const float* s = sin + r * d;
-      T* kslot = kc + slots[r] * nkv * d;
-      T* vslot = vc + slots[r] * nkv * d;
+      const int64_t slot = slots[r] * nkv;
       for (int64_t hd = 0; hd < nh + nkv; ++hd) {
         T* x = row + hd * d;
         for (int64_t i = 0; i < d; ++i) xf[i] = static_cast<float>(x[i]);
         T* dst = hd < nh ? q + (r * nh + hd) * d : x;
         for (int64_t i = 0; i < d; ++i)
           dst[i] = static_cast<T>(xf[i] * c[i] + xf[i < half ? i + half : i - half] * s[i]);
-        if (hd >= nh) std::memcpy(kslot + (hd - nh) * d, x, d * sizeof(T));
+        if (hd >= nh) {
+          const int64_t kh = slot + hd - nh;
+          store_head(x, kc + kh * d, ks ? ks + kh : nullptr, d);
+        }
       }
-      std::memcpy(vslot, row + (nh + nkv) * d, nkv * d * sizeof(T));
+      for (int64_t kh = 0; kh < nkv; ++kh)
+        store_head(row + (nh + nkv + kh) * d, vc + (slot + kh) * d,
+                   vs ? vs + slot + kh : nullptr, d);
     }
   });
 }
@@ -165,13 +187,22 @@ struct LeanModel {
   std::vector<at::Tensor> norms;       // per layer: input, mlp; then the final norm
   std::vector<LeanLinear> linears;     // per layer: qkv, o, gate_up, down
   std::vector<at::Tensor> k_caches, v_caches;
+  std::vector<at::Tensor> k_scales, v_scales;  // the 8-bit cache's (int8 caches); else empty
   bool group_chunks = true;            // fresh prefill chunks of one length: one SDPA call
 
   LeanModel(int64_t hidden, int64_t nh, int64_t nkv, int64_t d, double eps,
             std::vector<at::Tensor> norms, std::vector<at::Tensor> k_caches,
-            std::vector<at::Tensor> v_caches)
+            std::vector<at::Tensor> v_caches, std::vector<at::Tensor> k_scales,
+            std::vector<at::Tensor> v_scales)
       : hidden(hidden), nh(nh), nkv(nkv), d(d), eps(eps), norms(std::move(norms)),
-        k_caches(std::move(k_caches)), v_caches(std::move(v_caches)) {}
+        k_caches(std::move(k_caches)), v_caches(std::move(v_caches)),
+        k_scales(std::move(k_scales)), v_scales(std::move(v_scales)) {
+    TORCH_CHECK(this->k_scales.size() == (int8() ? this->k_caches.size() : 0) &&
+                this->v_scales.size() == this->k_scales.size(),
+                "an int8 cache needs a scale tensor per layer, and only it");
+  }
+
+  bool int8() const { return !k_caches.empty() && k_caches[0].scalar_type() == at::kChar; }
 
   void add_linear(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
                   int64_t group, int64_t max_rows, py::object module) {
@@ -221,9 +252,17 @@ struct LeanModel {
       for (int64_t l = 0; l < L; ++l) {
         const LeanLinear* lin = &linears[4 * l];
         at::Tensor qkv = lin[0](x).contiguous();
-        rope_store<T_>(qkv.data_ptr<T_>(), q.data_ptr<T_>(), cos.data_ptr<float>(),
-                       sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
-                       k_caches[l].data_ptr<T_>(), v_caches[l].data_ptr<T_>(), T, nh, nkv, d);
+        if (int8())
+          rope_store<T_, int8_t>(qkv.data_ptr<T_>(), q.data_ptr<T_>(), cos.data_ptr<float>(),
+                                 sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                                 k_caches[l].data_ptr<int8_t>(), v_caches[l].data_ptr<int8_t>(),
+                                 k_scales[l].data_ptr<float>(), v_scales[l].data_ptr<float>(),
+                                 T, nh, nkv, d);
+        else
+          rope_store<T_, T_>(qkv.data_ptr<T_>(), q.data_ptr<T_>(), cos.data_ptr<float>(),
+                             sin.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                             k_caches[l].data_ptr<T_>(), v_caches[l].data_ptr<T_>(), nullptr,
+                             nullptr, T, nh, nkv, d);
         at::Tensor attn = attention(q, qkv, l, num_decodes, decode_tables, decode_lens,
                                     starts, ends, tables, masks, q_size, kv_size);
         at::Tensor o = lin[1](attn.view({T, q_size})).contiguous();
@@ -251,8 +290,11 @@ struct LeanModel {
     const int64_t T = q.size(0);
     const double scale = 1.0 / std::sqrt(static_cast<double>(d));
     at::Tensor decoded;
+    const bool i8 = int8();
     if (D) decoded = paged_decode(D == T ? q : q.narrow(0, 0, D), k_caches[l], v_caches[l],
-                                  *decode_tables, *decode_lens, scale);
+                                  *decode_tables, *decode_lens, scale,
+                                  i8 ? std::optional<at::Tensor>(k_scales[l]) : std::nullopt,
+                                  i8 ? std::optional<at::Tensor>(v_scales[l]) : std::nullopt);
     if (D == T) return decoded;
     at::Tensor out = at::empty_like(q);
     if (D) out.narrow(0, 0, D).copy_(decoded);
@@ -285,10 +327,17 @@ struct LeanModel {
       if (tables[c].has_value()) {
         const auto& table = *tables[c];
         const int64_t blocks = k_caches[l].size(0), bs = k_caches[l].size(1);
-        keys = k_caches[l].view({blocks, -1}).index_select(0, table)
-                   .view({table.size(0) * bs, nkv, d});
-        values = v_caches[l].view({blocks, -1}).index_select(0, table)
-                     .view({table.size(0) * bs, nkv, d});
+        // whole blocks as rows; the 8-bit cache's widened by their scales to q's dtype
+        auto gather = [&](const at::Tensor& cache, const at::Tensor* scales) {
+          at::Tensor rows = cache.view({blocks, -1}).index_select(0, table)
+                                .view({table.size(0) * bs, nkv, d});
+          if (!scales) return rows;
+          at::Tensor s = scales->view({blocks, -1}).index_select(0, table)
+                             .view({table.size(0) * bs, nkv, 1});
+          return (rows.to(at::kFloat) * s).to(q.scalar_type());
+        };
+        keys = gather(k_caches[l], i8 ? &k_scales[l] : nullptr);
+        values = gather(v_caches[l], i8 ? &v_scales[l] : nullptr);
       } else {
         keys = k.narrow(0, s, n);
         values = v.narrow(0, s, n);
@@ -375,7 +424,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("int8_vnni") = py::bool_(int8_vnni());
   py::class_<LeanModel>(m, "LeanModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
-                    std::vector<at::Tensor>, std::vector<at::Tensor>>())
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>>())
       .def("add_linear", &LeanModel::add_linear)
       .def("set_head", &LeanModel::set_head)
       .def("logits", &LeanModel::logits)
@@ -394,13 +444,15 @@ def supports(shape: ModelShape) -> bool:
 class LeanForward:
     """The C++ twin of LlamaModel's layers, over the model's own weights and KV caches."""
 
-    def __init__(self, kernel, model: nn.Module, kv_caches: list[tuple[Tensor, Tensor]]):
+    def __init__(self, kernel, model: nn.Module, kv_caches: list[tuple[Tensor, ...]]):
+        """kv_caches: per layer (k, v), or (k, v, k_scales, v_scales) for an int8 cache."""
         shape = model.shape
         norms = [w for layer in model.layers for w in (layer.input_norm, layer.mlp_norm)]
         self.impl = kernel.LeanModel(
             shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
             shape.rms_norm_eps, [w.detach() for w in norms + [model.norm]],
-            [k for k, _ in kv_caches], [v for _, v in kv_caches])
+            [c[0] for c in kv_caches], [c[1] for c in kv_caches],
+            [c[2] for c in kv_caches if len(c) == 4], [c[3] for c in kv_caches if len(c) == 4])
         rounded = False  # does any body layer round x to int8 (the 4-bit kernel)?
         for layer in model.layers:
             for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
@@ -422,6 +474,43 @@ class LeanForward:
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab] (the model's compute_logits)."""
         return self.impl.logits(hidden).float()
+
+
+def new_kv_caches(shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto", device: str | torch.device = "cpu") -> list:
+    """Zeroed KV caches, per layer (k, v) [blocks, block_size, Hkv, d] in `dtype`, or for
+    `kv_cache_dtype` int8 (k, v, k_scales, v_scales): int8 values with a float32 scale per
+    position and KV head [blocks, block_size, Hkv] (the lean step's 8-bit cache)."""
+    values = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+    if kv_cache_dtype == "int8":
+        return [tuple(torch.zeros(values, dtype=torch.int8, device=device) for _ in "kv")
+                + tuple(torch.zeros(values[:-1], device=device) for _ in "kv")
+                for _ in range(shape.num_layers)]
+    return [tuple(torch.zeros(values, dtype=dtype, device=device) for _ in "kv")
+            for _ in range(shape.num_layers)]
+
+
+def decode_logits(kernel, model: nn.Module, tokens: list[int],
+                  kv_cache_dtype: str = "auto") -> Tensor:
+    """Teacher-forced float32 logits [T, vocab] computed as the engine decodes: one token
+    per lean step from position 0, each attending through the paged decode kernel to the
+    cache (in `kv_cache_dtype`) the earlier steps wrote. For quality checks of the cache
+    formats (benchmarks/quant_quality.py --decode, tests)."""
+    from tierserve.model.llama import AttentionMetadata
+
+    blocks = -(-len(tokens) // 16)
+    lean = LeanForward(kernel, model, new_kv_caches(
+        model.shape, blocks, 16, next(model.parameters()).dtype, kv_cache_dtype))
+    table = torch.arange(blocks).view(1, blocks)
+    rows = []
+    with torch.inference_mode():
+        for t, token in enumerate(tokens):
+            attn = AttentionMetadata(
+                slot_mapping=torch.tensor([t]), num_decodes=1, decode_block_tables=table,
+                decode_mask=None, decode_context_lens=torch.tensor([t + 1]), prefills=[])
+            rows.append(lean.logits(lean(model.embed(torch.tensor([token])),
+                                         torch.tensor([t]), attn)))
+    return torch.cat(rows)
 
 
 _NEVER = 1 << 62

@@ -79,7 +79,11 @@ class ModelShape:
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * per_layer + embed + head + self.hidden_size
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+        """Keys and values of one token, all layers; an int8 cache adds a float32 scale
+        per KV head."""
+        if kv_cache_dtype == "int8":
+            return 2 * self.num_layers * (self.kv_size + 4 * self.num_kv_heads)
         return 2 * self.num_layers * self.kv_size * dtype_bytes
 
 

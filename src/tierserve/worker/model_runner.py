@@ -8,7 +8,7 @@ sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
 import torch
 
 from tierserve.core.scheduler import RunnerOutput, ScheduledSeq, SchedulerOutput
-from tierserve.errors import InvalidRequestError
+from tierserve.errors import ConfigError, InvalidRequestError
 from tierserve.model import cpu_attention, cpu_step, kernels
 from tierserve.model.cpu_linear import pack_linears
 from tierserve.model.llama import AttentionMetadata, LlamaModel, PrefillChunk
@@ -24,7 +24,8 @@ def _decodes(seq: ScheduledSeq) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):
         pack_linears(model)  # where this CPU packs the weights' dtype (cpu_linear)
         self.model = model
         self.block_size = block_size
@@ -34,13 +35,17 @@ class ModelRunner:
         use_kernel = self.device.type == "cpu" and cpu_attention.supports(
             shape.num_heads, shape.num_kv_heads, shape.head_dim)
         self.decode_kernel = kernels.load() if use_kernel else None
-        cache_shape = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
-        self.kv_caches = [(torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
-                          for _ in range(shape.num_layers)]
+        lean = self.decode_kernel is not None and cpu_step.supports(shape)
+        if kv_cache_dtype == "int8" and not lean:
+            raise ConfigError(f"--kv-cache-dtype int8 needs the lean CPU step (a "
+                              f"Llama-shaped model on a CPU with the compiled kernels); "
+                              f"{shape.name} on {self.device.type} runs the Python layers")
+        self.kv_caches = cpu_step.new_kv_caches(shape, num_blocks, block_size, self.dtype,
+                                                kv_cache_dtype, self.device)
+        """Per layer (k, v) in the model's dtype, or (k, v, k_scales, v_scales) in int8."""
         self.lean = None
         """The whole forward pass in one C++ call (model/cpu_step.py), where it applies."""
-        if self.decode_kernel is not None and cpu_step.supports(shape):
+        if lean:
             self.lean = cpu_step.LeanForward(self.decode_kernel, model, self.kv_caches)
         self.states: dict[str, SamplingState] = {}
         self._seed_stream = torch.Generator().manual_seed(seed)
