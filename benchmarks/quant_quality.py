@@ -2,7 +2,7 @@
 agreement of next-token distributions, teacher-forced over the varied text below.
 
     python benchmarks/quant_quality.py [--model PATH] [--chunk 512] [--threads 2] [--lean]
-                                       [--decode] [--only REGEX]
+                                       [--decode] [--concat] [--only REGEX]
 
 One line per format. The reference is the checkpoint in float32 (for the default model,
 whose linear weights are Q4_1 and embeddings Q8_0, that is the file's exact values: a
@@ -143,7 +143,9 @@ prompt. Experiments on three model sizes confirm the bound within 4%.""",
 ]
 
 
-def documents(tokenizer, chunk: int) -> list[list[int]]:
+def documents(tokenizer, chunk: int, concat: bool = False) -> list[list[int]]:
+    """The texts as token lists cut into pieces of at most `chunk`; `concat`: all of them
+    one after another as one document first (long contexts)."""
     docs = [tokenizer.encode(t) for t in TEXTS]
     # More numbers and code, generated: a table of squares and a loop-unrolled function.
     squares = "\n".join(f"{i} squared is {i * i}, and {i} cubed is {i ** 3}."
@@ -151,6 +153,8 @@ def documents(tokenizer, chunk: int) -> list[list[int]]:
     lines = "\n".join(f"    total += values[{i}] * weights[{i}]  # term {i}" for i in range(40))
     code = f"def dot(values, weights):\n    total = 0\n{lines}\n    return total\n"
     docs += [tokenizer.encode(squares), tokenizer.encode(code)]
+    if concat:
+        docs = [[t for d in docs for t in d]]
     pieces = [d[i:i + chunk] for d in docs for i in range(0, len(d), chunk)]
     return [p for p in pieces if len(p) > 1]
 
@@ -260,6 +264,9 @@ def main(argv=None) -> int:
                    help="also bf16 and gguf decoded one token per step through the lean "
                         "step, with the KV cache in the model's dtype and in int8 "
                         "(--kv-cache-dtype)")
+    p.add_argument("--concat", action="store_true",
+                   help="the texts as one document (with --chunk 4096: one sequence of "
+                        "about 3,800 tokens, for the KV cache formats at long context)")
     p.add_argument("--only", default=None,
                    help="a regular expression: run the formats whose names match (default: all)")
     args = p.parse_args(argv)
@@ -272,7 +279,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     loaded = load_model(ModelConfig(model=args.model, dtype="float32"), args.chunk)
     ref = loaded.model
-    docs = documents(Tokenizer.load(loaded.tokenizer_source), args.chunk)
+    docs = documents(Tokenizer.load(loaded.tokenizer_source), args.chunk, args.concat)
     formats = build_formats(ref, loaded.source)
     if args.lean:
         if kernels.load() is None:

@@ -246,14 +246,20 @@ def test_an_int8_kv_cache_keeps_each_head_within_half_a_step_of_its_scale():
             return caches, torch.log_softmax(lean.logits(hidden), -1)
 
     (plain, p), (quantized, q) = prefill("auto"), prefill("int8")
-    for (k, v), (k8, v8, ks, vs) in zip(plain, quantized):
-        # the first chunk's 48 positions (3 blocks) come from the same fresh prefill in
-        # both; later ones from layers that attended through different caches
-        for exact, ints, scales in ((k[:3], k8[:3], ks[:3]), (v[:3], v8[:3], vs[:3])):
-            exact = exact.float()
-            assert torch.allclose(scales, exact.abs().amax(-1) / 127, rtol=1e-6, atol=0)
-            assert ((ints.float() * scales[..., None] - exact).abs()
-                    <= scales[..., None] * 0.5001).all()
+    # layer 0's keys and values come from the embeddings alone, the same in both runs
+    (k, v), (k8, v8, ks, vs) = plain[0], quantized[0]
+    for exact, ints, scales in ((k, k8, ks), (v, v8, vs)):
+        exact = exact.float()
+        assert torch.allclose(scales, exact.abs().amax(-1) / 127, rtol=1e-6, atol=0)
+        assert ((ints.float() * scales[..., None] - exact).abs()
+                <= scales[..., None] * 0.5001).all()
+    # deeper layers (their inputs attended through the int8 values): every head on its
+    # own full scale
+    for _, _, ks, vs in quantized[1:]:
+        assert (ks > 0).all() and (vs > 0).all()
+    for k8, v8, _, _ in quantized:
+        for ints in (k8, v8):
+            assert (ints.abs().amax(-1) == 127).all()
     # the second chunk attended to the first through the int8 cache: close to bf16's
     kl = float((p.exp() * (p - q)).sum(-1).mean())
     assert kl < 0.01 and (p.argmax(-1) == q.argmax(-1)).float().mean() >= 0.9
@@ -275,6 +281,9 @@ def test_decoding_from_an_int8_kv_cache_stays_close_to_bfloat16():
 
 def test_an_int8_kv_cache_holds_nearly_twice_the_tokens_and_serves_every_kind_of_step(
         monkeypatch):
+    """The int8 engine's every step (prefill, mixed, decode, a chunk continuing cached
+    context) is replayed on a lean step with a bfloat16 cache of the same blocks: the
+    next-token distributions stay close in each kind of step, closest for decodes."""
     from tierserve.errors import ConfigError
     from tierserve.worker.model_runner import ModelRunner
 
@@ -284,22 +293,44 @@ def test_an_int8_kv_cache_holds_nearly_twice_the_tokens_and_serves_every_kind_of
     # SmolLM2: 2 x 192 bf16 values a token and layer against 2 x (192 + 3 scales x 4 bytes)
     assert int8.block_manager.num_blocks == pytest.approx(
         auto.block_manager.num_blocks * 768 / 408, rel=0.001)
-    seen = set()
+    model = int8.runner.model
+    shadow = cpu_step.LeanForward(kernels.load(), model, cpu_step.new_kv_caches(
+        model.shape, int8.block_manager.num_blocks, int8.runner.block_size, torch.bfloat16))
+    worst: dict[str, float] = {}
     forward = cpu_step.LeanForward.__call__
 
-    def counting(self, h, positions, attn):
-        seen.add("decode" if attn.num_decodes == len(positions) else
-                 "mixed" if attn.num_decodes else "prefill")
+    def both(self, h, positions, attn):
+        out = forward(self, h.clone(), positions, attn)
+        if self is shadow:
+            return out
+        ref = forward(shadow, h.clone(), positions, attn)
+        p = torch.log_softmax(shadow.logits(ref), -1)
+        q = torch.log_softmax(self.logits(out), -1)
+        kinds = ["decode" if attn.num_decodes == len(positions) else
+                 "mixed" if attn.num_decodes else "prefill"]
         if any(c.block_table is not None for c in attn.prefills):
-            seen.add("cached-context chunk")
-        return forward(self, h, positions, attn)
+            kinds.append("cached-context chunk")
+        kl = (p.exp() * (p - q)).sum(-1)
+        D = attn.num_decodes
+        if D:
+            worst["decode rows"] = max(worst.get("decode rows", 0.0), float(kl[:D].mean()))
+        for kind in kinds:
+            worst[kind] = max(worst.get(kind, 0.0), float(kl.mean()))
+        return out
 
-    monkeypatch.setattr(cpu_step.LeanForward, "__call__", counting)
+    monkeypatch.setattr(cpu_step.LeanForward, "__call__", both)
     outs = generate(int8, _prompts(0), SamplingParams(temperature=0.0, max_tokens=8,
                                                       ignore_eos=True))
-    assert seen >= {"decode", "mixed", "prefill", "cached-context chunk"}
+    assert set(worst) >= {"decode", "mixed", "prefill", "cached-context chunk"}
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    # decodes (as the decode test above): about 0.005 measured. Prompt rows of random
+    # tokens are far more sensitive to any rounding (see the bf16 test above): 0.008-0.065
+    # measured, where a cache read wrongly (scales ignored, say) gives several.
+    assert worst["decode rows"] < 0.02 and max(worst.values()) < 0.2, worst
     # where the Python layers run (no kernels, Gemma, a GPU) the flag is refused
     monkeypatch.setattr(kernels, "load", lambda: None)
     with pytest.raises(ConfigError, match="kv-cache-dtype int8 needs the lean CPU step"):
         ModelRunner(auto.runner.model, num_blocks=8, block_size=16, kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match="kv-cache-dtype int8 needs the lean CPU step"):
+        get_engine(dtype="bfloat16", kv_cache_memory_gb=0.25, kv_cache_dtype="int8",
+                   max_num_batched_tokens=32)   # refused before any weight loads

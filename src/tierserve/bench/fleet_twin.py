@@ -66,6 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority-tpot-s", type=float, default=0.15,
                    help="the gateway's priority TPOT target (both gateways)")
     p.add_argument("--bench-seed", type=int, default=34)
+    p.add_argument("--calibrate-repeats", type=int, default=1,
+                   help="rounds of `tierserve calibrate --backend`'s grid per replica")
 
 
 def workload(rate: float, n: int, seed: int) -> list[dict]:
@@ -191,7 +193,7 @@ def tierserve_fleet(args) -> tuple[list[Proc], list[dict]]:
 
 
 def calibrate_through_gateway(specs: list[dict], kind: str, model: str, flow: dict,
-                              background: list[dict]) -> None:
+                              background: list[dict], repeats: int = 1) -> None:
     """Each replica timed as requests reach it in the fleet: through a gateway (of that
     replica alone), so its relay and its share of the two cores are in the profile; and,
     where the fleet has more than one replica, while the others serve `background` (open
@@ -206,7 +208,7 @@ def calibrate_through_gateway(specs: list[dict], kind: str, model: str, flow: di
         try:
             s["model"] = asyncio.run(_calibrate_beside(
                 gw.url, f"/tmp/fleet-twin-{kind}-r{i}.json",
-                busy.url if busy else None, background, model))
+                busy.url if busy else None, background, model, repeats))
         finally:
             gw.stop()
             if busy:
@@ -214,14 +216,14 @@ def calibrate_through_gateway(specs: list[dict], kind: str, model: str, flow: di
 
 
 async def _calibrate_beside(url: str, out: str, busy_url: str | None,
-                            background: list[dict], model: str):
+                            background: list[dict], model: str, repeats: int = 1):
     """`tierserve calibrate --backend url` while `background` is replayed at `busy_url`
     until it ends."""
     from tierserve.core.step_time import StepTimeModel
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tierserve.cli", "calibrate", "--backend", url, "--out", out,
-        "--repeats", "1")
+        "--repeats", str(repeats))
     load = asyncio.ensure_future(_load_until(proc, busy_url, background, model)) \
         if busy_url else None
     code = await proc.wait()
@@ -272,7 +274,8 @@ def run(args) -> None:
             kind, model = ("tierserve", MODEL) if name == "tierserve" else ("vllm", VLLM_MODEL)
             # the other replicas' share of the fleet's arrivals, as background
             background = workload(args.rate / len(specs), args.requests, args.bench_seed + 1)
-            calibrate_through_gateway(specs, kind, model, flow_raw, background)
+            calibrate_through_gateway(specs, kind, model, flow_raw, background,
+                                      args.calibrate_repeats)
             gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
                            "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept

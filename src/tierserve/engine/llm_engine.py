@@ -58,6 +58,11 @@ class LLMEngine:
         else:
             from tierserve.model.metadata import default_model_path, read_shape
             shape = read_shape(mc.model or default_model_path(), mc.load_format)
+        if cc.kv_cache_dtype == "int8":   # refused before the weights load
+            from tierserve.model import cpu_step, kernels
+            reason = cpu_step.int8_kv_refusal(shape, mc.device, kernels.load())
+            if reason:
+                raise ConfigError(reason)
         widened = _widen_bf16(mc)
         dtype_bytes = 4 if mc.dtype == "float32" else 2
         num_blocks = cc.num_kv_blocks or int(
@@ -117,6 +122,14 @@ class LLMEngine:
         self.scheduler, self.block_manager = self.core.scheduler, self.core.block_manager
         self.runner = ModelRunner(self.loaded.model, num_blocks, cc.block_size, mc.seed,
                                   kv_cache_dtype=cc.kv_cache_dtype)
+        if cc.kv_cache_dtype == "int8":
+            import torch
+            fast = self.runner.decode_kernel.kv_int8_vnni and self.runner.dtype == torch.bfloat16
+            say("KV cache in int8 (a float32 scale per token and KV head): decode attention "
+                + ("on integer dot products (AVX-512 VNNI)" if fast else
+                   "by the kernel's scalar loop here (it takes bfloat16 on a CPU with "
+                   "AVX-512 BF16 and VNNI for its fast path): slower than the "
+                   "uncompressed cache, kept for memory"))
         say(f"KV cache: {num_blocks} blocks of {cc.block_size} tokens"
             f"{' in int8' if cc.kv_cache_dtype == 'int8' else ''}; "
             f"max_model_len {self.max_model_len}")

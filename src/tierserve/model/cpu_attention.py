@@ -76,6 +76,19 @@ static inline void softmax_rows(float* scores, int64_t g, int64_t L) {
   }
 }
 
+// d values as int8 on one symmetric scale, returned: the largest magnitude / 127, each
+// value rounded to the nearest step. The 8-bit KV cache's format (cpu_step's store_head)
+// and the int8 kernel's query rounding.
+template <typename T>
+static inline float quantize_i8(const T* x, int8_t* dst, int64_t d) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < d; ++i)
+    dst[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) * inv));
+  return amax / 127.f;
+}
+
 // One sequence, head dim D fixed at compile time so the per-head accumulators stay in
 // vector registers. Loop order: per KV head, per token: widen K (or V) once, use it for
 // the g query heads that share it.
@@ -308,18 +321,11 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
     float qscale[8];
     __m512 qcorr[8];
     for (int64_t j = 0; j < g; ++j) {
-      const at::BFloat16* qj = q + (h * g + j) * D;
-      float amax = 0.f;
-      for (int x = 0; x < D; ++x) amax = std::max(amax, std::fabs(static_cast<float>(qj[x])));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
       alignas(64) int8_t q8[D];
+      qscale[j] = quantize_i8(q + (h * g + j) * D, q8, D) * scale;
       int32_t sum = 0;
-      for (int x = 0; x < D; ++x) {
-        q8[x] = static_cast<int8_t>(std::nearbyint(static_cast<float>(qj[x]) * inv));
-        sum += q8[x];
-      }
+      for (int x = 0; x < D; ++x) sum += q8[x];
       for (int v = 0; v < K8; ++v) qv[j][v] = _mm512_load_si512(q8 + 64 * v);
-      qscale[j] = amax / 127.f * scale;
       qcorr[j] = _mm512_set1_ps(128.f * static_cast<float>(sum));
     }
     int64_t blk = 0, off = 0;
@@ -377,7 +383,7 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
     for (int64_t j = 0; j < g; ++j)
       for (int u = 0; u < 2 * K16; ++u) acc[j][u] = _mm512_setzero_si512();
     blk = off = 0;
-    Prefetcher<D, int8_t> vpf(vc, vs, table, L, bs, row, h);
+    Prefetcher<D, int8_t> vpf(vc, nullptr, table, L, bs, row, h);   // (vs read above)
     for (int64_t t = 0; t < L; t += 2) {
       vpf.next();
       vpf.next();

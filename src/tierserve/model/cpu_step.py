@@ -120,19 +120,17 @@ static void add_rmsnorm(T* h, const T* a, const T* w, T* x, int64_t rows, int64_
   });
 }
 
-// A head's d values into the 8-bit cache: int8 with one float32 scale, the largest
-// magnitude / 127 (symmetric, round to nearest).
+// A head's d values into the 8-bit cache (quantize_i8: int8 on one float32 scale), and back
+// into x as the values they stand for, so a fresh prefill chunk attends to the keys and
+// values the cache holds, as a later chunk or a decode will (an answer does not depend on
+// whether its prompt was cached or where a chunk split it).
 template <typename T>
-static inline void store_head(const T* x, int8_t* dst, float* scale, int64_t d) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  for (int64_t i = 0; i < d; ++i)
-    dst[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[i]) * inv));
-  *scale = amax / 127.f;
+static inline void store_head(T* x, int8_t* dst, float* scale, int64_t d) {
+  *scale = quantize_i8(x, dst, d);
+  for (int64_t i = 0; i < d; ++i) x[i] = static_cast<T>(static_cast<float>(dst[i]) * *scale);
 }
 template <typename T>
-static inline void store_head(const T* x, T* dst, float*, int64_t d) {
+static inline void store_head(T* x, T* dst, float*, int64_t d) {
   std::memcpy(dst, x, d * sizeof(T));
 }
 
@@ -424,6 +422,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8_vnni", &pack_int8_vnni, "an int8 weight repacked for int8_matmul_vnni");
   m.def("int8_matmul_vnni", &int8_matmul_vnni, "(x W^T) * scales, x rounded to int8 (VNNI)");
   m.attr("int8_vnni") = py::bool_(int8_vnni());
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.attr("kv_int8_vnni") = py::bool_(true);   // one_sequence_i8 (cpu_attention.py) built
+#else
+  m.attr("kv_int8_vnni") = py::bool_(false);
+#endif
   py::class_<LeanModel>(m, "LeanModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -476,6 +479,19 @@ class LeanForward:
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab] (the model's compute_logits)."""
         return self.impl.logits(hidden).float()
+
+
+def int8_kv_refusal(shape: ModelShape, device: str, kernel) -> str | None:
+    """Why `--kv-cache-dtype int8` cannot run here (only the lean step reads and writes
+    it), or None where it can. `kernel`: kernels.load()'s module, or None."""
+    from tierserve.model import cpu_attention
+
+    if str(device).split(":")[0] == "cpu" and kernel is not None and supports(shape) \
+            and cpu_attention.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim):
+        return None
+    return (f"--kv-cache-dtype int8 needs the lean CPU step (a Llama-shaped model on a CPU "
+            f"with the compiled kernels); {shape.name} on {device}"
+            f"{'' if kernel is not None else ' without the kernels'} runs the Python layers")
 
 
 def new_kv_caches(shape: ModelShape, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -37,9 +37,8 @@ class ModelRunner:
         self.decode_kernel = kernels.load() if use_kernel else None
         lean = self.decode_kernel is not None and cpu_step.supports(shape)
         if kv_cache_dtype == "int8" and not lean:
-            raise ConfigError(f"--kv-cache-dtype int8 needs the lean CPU step (a "
-                              f"Llama-shaped model on a CPU with the compiled kernels); "
-                              f"{shape.name} on {self.device.type} runs the Python layers")
+            raise ConfigError(cpu_step.int8_kv_refusal(shape, self.device.type,
+                                                       self.decode_kernel))
         self.kv_caches = cpu_step.new_kv_caches(shape, num_blocks, block_size, self.dtype,
                                                 kv_cache_dtype, self.device)
         """Per layer (k, v) in the model's dtype, or (k, v, k_scales, v_scales) in int8."""
