@@ -242,3 +242,25 @@ def test_a_hardware_file_is_checked_field_by_field_and_then_planned_on(tmp_path)
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "missing field 'mem_bw_tbs'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_an_int8_kv_cache_in_the_twin_holds_more_blocks_and_reads_half_the_bytes(capsys):
+    """sim/plan --kv-cache-dtype int8, as `serve --kv-cache-dtype int8`: a replica's KV
+    blocks are sized at a byte a value plus a float32 scale per token and KV head, so the
+    same memory holds more of them, and the roofline's decode reads half the bytes."""
+    from tierserve.sim.fleet import machine_for
+
+    shape = preset("llama-3-8b")
+    auto, int8 = (machine_for(shape, "h100-sxm", kv_cache_dtype=kv) for kv in ("auto", "int8"))
+    ratio = shape.kv_bytes_per_token(2) / shape.kv_bytes_per_token(2, "int8")
+    assert ratio == pytest.approx(2 * 128 / (128 + 4))              # head_dim 128
+    assert int8.num_blocks == pytest.approx(auto.num_blocks * ratio, rel=1e-4)
+    assert int8.model.per_kv_token_s == pytest.approx(
+        auto.model.per_kv_token_s / ratio)
+    assert int8.model.per_token_s == auto.model.per_token_s
+    # where a run cannot carry it, the flag is refused, not ignored
+    for argv in (["plan", "--hybrid", "x.jsonl", "--slo", "priority=1,0.1",
+                  "--kv-cache-dtype", "int8"],
+                 ["sim", "--schedule", "x.json", "--kv-cache-dtype", "int8"]):
+        assert main(argv) == 1
+        assert "--kv-cache-dtype" in capsys.readouterr().err.splitlines()[-1]

@@ -128,9 +128,11 @@ def validate_profile(data, where: str) -> dict:
     return data
 
 
-def roofline(shape, hw: Hardware, dtype_bytes: int = 2, tp: int = 1) -> StepTimeModel:
+def roofline(shape, hw: Hardware, dtype_bytes: int = 2, tp: int = 1,
+             kv_cache_dtype: str = "auto") -> StepTimeModel:
     """The roofline of `shape` (model.shapes.ModelShape) on `hw`, tensor parallel over `tp`
-    devices (weights and KV split evenly; communication not modelled)."""
+    devices (weights and KV split evenly; communication not modelled); `kv_cache_dtype`
+    int8: a decode reads its KV cache at one byte a value (shapes.kv_bytes_per_token)."""
     curve = hw.gemm_curve()
 
     def layers_s(num_tokens: int) -> float:
@@ -148,7 +150,7 @@ def roofline(shape, hw: Hardware, dtype_bytes: int = 2, tp: int = 1) -> StepTime
         + hw.step_overhead_s,
         per_seq_s=lm_head_flops_s + hw.seq_overhead_s,
         per_token_s=slope,
-        per_kv_token_s=shape.kv_bytes_per_token(dtype_bytes) / bw,
+        per_kv_token_s=shape.kv_bytes_per_token(dtype_bytes, kv_cache_dtype) / bw,
         per_pair_s=4 * shape.num_layers * shape.hidden_size / flops)
 
 

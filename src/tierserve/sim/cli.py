@@ -82,13 +82,18 @@ def cmd_sim(args) -> int:
     if args.schedule:  # a schedule replayed on a weekly workload: its own report
         from tierserve.sim.replay import run as replay
 
+        if args.kv_cache_dtype != "auto":
+            raise TierserveError("--kv-cache-dtype does not apply to --schedule: a schedule "
+                                 "replays the machines it names")
+
         return replay(args)
     slo = parse_slo(args.slo)
     if args.hardware_file:
         args.hardware = args.hardware_file
     machine = machine_for(resolve(args.model), args.hardware, args.tp, args.dtype_bytes,
                           args.block_size, args.num_kv_blocks, args.machine_price_per_hour,
-                          args.step_time_profile, args.kv_cache_memory_gb)
+                          args.step_time_profile, args.kv_cache_memory_gb,
+                          args.kv_cache_dtype)
     policy, deployment = resolve_policy(args.policy, args.deployment)
     if args.report == "fast-vs-batch":
         return _fast_vs_batch(args, machine, policy)
@@ -158,11 +163,15 @@ def cmd_plan(args) -> int:
     if args.step_time_margin and (args.hybrid or args.forecast):
         raise TierserveError("--step-time-margin plans one workload: --hybrid and --forecast "
                              "do not take it (a schedule has no field to replay it with)")
+    if args.kv_cache_dtype != "auto" and (args.hybrid or args.forecast):
+        raise TierserveError("--kv-cache-dtype plans one workload: --hybrid and --forecast "
+                             "do not take it (a schedule has no field to replay it with)")
     if args.hybrid:
         return _plan_hybrid(args, slo)
     planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
                       args.block_size, args.router, args.dedicated_replicas,
-                      args.dedicated_max_num_seqs, step_time_margin=args.step_time_margin)
+                      args.dedicated_max_num_seqs, step_time_margin=args.step_time_margin,
+                      kv_cache_dtype=args.kv_cache_dtype)
     hardware = parse_list(args.hardware, str, "--hardware")
     # --forecast plans every hour, so its grid defaults are smaller (see PLAN_DEFAULTS)
     mode = "forecast" if args.forecast else "workload"
@@ -252,6 +261,11 @@ def _add_model_args(p) -> None:
                         "intermediate=14336,vocab=128256")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
     p.add_argument("--dtype-bytes", type=int, default=2)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the replicas' KV cache: auto (--dtype-bytes a value) or int8 (a "
+                        "byte a value and a float32 scale per token and KV head, as "
+                        "`serve --kv-cache-dtype int8`): more blocks in the same memory, "
+                        "and in the roofline half the KV reads")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--router", default="least-tokens",
                    choices=["least-tokens", "round-robin", "gateway"],

@@ -46,10 +46,12 @@ class Machine:
 def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int = 2,
                 block_size: int = 16, num_kv_blocks: int | None = None,
                 price_per_hour: float | None = None, step_time_profile: str | None = None,
-                kv_cache_memory_gb: float = 1.0) -> Machine:
+                kv_cache_memory_gb: float = 1.0, kv_cache_dtype: str = "auto") -> Machine:
     """A replica of `shape` (model.shapes.ModelShape) on `hardware` x `tp`: the roofline
     step-time model (or a calibrated profile, cpu-local) and a KV pool of what the memory
-    holds after the weights (or `num_kv_blocks`)."""
+    holds after the weights (or `num_kv_blocks`), its blocks sized for `kv_cache_dtype`
+    (auto: the compute dtype; int8: a byte a value and a float32 scale per token and KV
+    head, the engine's --kv-cache-dtype int8)."""
     from tierserve.metering.prices import machine_price
     from tierserve.hardware.roofline import load_hardware, roofline
 
@@ -59,10 +61,11 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
         model, name, mem_gb = StepTimeModel.load(step_time_profile), "cpu-local", None
     else:
         hw = load_hardware(hardware)
-        model, name, mem_gb = roofline(shape, hw, dtype_bytes, tp), hw.name, hw.mem_gb * tp
+        model, name, mem_gb = roofline(shape, hw, dtype_bytes, tp, kv_cache_dtype), hw.name, \
+            hw.mem_gb * tp
         if price_per_hour is None and hw.price_per_hour is not None:  # a user's file
             price_per_hour = hw.price_per_hour
-    kv_block = shape.kv_bytes_per_token(dtype_bytes) * block_size
+    kv_block = shape.kv_bytes_per_token(dtype_bytes, kv_cache_dtype) * block_size
     if num_kv_blocks:
         num_blocks = num_kv_blocks
     elif mem_gb:

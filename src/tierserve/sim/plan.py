@@ -70,7 +70,8 @@ class Planner:
                  dtype_bytes: int = 2, block_size: int = 16, router: str = "least-tokens",
                  dedicated_replicas: int = 1, dedicated_max_num_seqs: int = 1,
                  policy: str = "tiered", seed: int = 0, step_time_profile: str | None = None,
-                 price_per_hour: float | None = None, step_time_margin: float = 0.0):
+                 price_per_hour: float | None = None, step_time_margin: float = 0.0,
+                 kv_cache_dtype: str = "auto"):
         """`slo`: tier -> (ttft_s, tpot_s), either may be None; `step_time_profile`: a
         `tierserve calibrate` file instead of the roofline (its hardware is `cpu-local`,
         priced at `price_per_hour`); `step_time_margin`: plan as if every step took that
@@ -88,6 +89,7 @@ class Planner:
         self.step_time_margin = step_time_margin
         self.shape, self.slo, self.attainment = shape, slo, attainment
         self.tp, self.dtype_bytes, self.block_size = tp, dtype_bytes, block_size
+        self.kv_cache_dtype = kv_cache_dtype
         self.fleet = FleetConfig(router=router, dedicated_replicas=dedicated_replicas,
                                  dedicated_max_num_seqs=dedicated_max_num_seqs)
         self.policy, self.seed = policy, seed
@@ -103,7 +105,8 @@ class Planner:
         if hardware not in self._machines:
             self._machines[hardware] = machine_for(
                 self.shape, hardware, self.tp, self.dtype_bytes, self.block_size,
-                price_per_hour=self.price_per_hour, step_time_profile=self.profile)
+                price_per_hour=self.price_per_hour, step_time_profile=self.profile,
+                kv_cache_dtype=self.kv_cache_dtype)
         return self._machines[hardware]
 
     # ------------------------------------------------------------- one cell
