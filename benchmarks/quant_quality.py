@@ -162,21 +162,19 @@ def documents(tokenizer, chunk: int, concat: bool = False) -> list[list[int]]:
 def logits(model, tokens: list[int], lean: bool = False) -> torch.Tensor:
     """Teacher-forced float32 logits [T, vocab] of one sequence from position 0; `lean`:
     through the lean step (model/cpu_step.py) instead of the Python layers."""
+    from tierserve.model import cpu_step, kernels
     from tierserve.model.llama import AttentionMetadata, PrefillChunk
 
     T = len(tokens)
     shape = model.shape
     dtype = next(model.parameters()).dtype
     blocks = -(-T // 16)
-    caches = [(torch.zeros(blocks, 16, shape.num_kv_heads, shape.head_dim, dtype=dtype),
-               torch.zeros(blocks, 16, shape.num_kv_heads, shape.head_dim, dtype=dtype))
-              for _ in range(shape.num_layers)]
+    caches = cpu_step.new_kv_caches(shape, blocks, 16, dtype)
     attn = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=0,
                              decode_block_tables=None, decode_mask=None,
                              decode_context_lens=None, prefills=[PrefillChunk(0, T, None, None)])
     with torch.inference_mode():
         if lean:
-            from tierserve.model import cpu_step, kernels
             forward = cpu_step.LeanForward(kernels.load(), model, caches)
             hidden = forward(model.embed(torch.tensor(tokens)), torch.arange(T), attn)
             return forward.logits(hidden)

@@ -204,6 +204,18 @@ struct Prefetcher {
   }
 };
 
+// 32 output dimensions from the two accumulators of a value loop that summed two
+// positions' rows interleaved by 16-bit unpacks ([0]: dims {0-3, 8-11, 16-19, 24-27}, [1]:
+// the rest), put back in order and rounded to bfloat16 at `o`.
+static inline void store_pair_sums(__m512 a, __m512 b, at::BFloat16* o) {
+  const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(a, lo, b)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(a, hi, b)));
+}
+
 // The same for bfloat16 with AVX-512 BF16, in registers (products of two bf16 numbers are
 // exact; sums in float32). Keys: 16 positions at a time, each dotted with a query head by
 // vdpbf16ps, the 16 dots summed by sum16. Values: two positions' rows interleaved by
@@ -283,16 +295,9 @@ static void one_sequence_bf16(const at::BFloat16* q, const at::BFloat16* kc,
         for (int u = 0; u < 2 * KV; ++u) acc[j][u] = _mm512_dpbf16_ps(acc[j][u], pairs[u], p);
       }
     }
-    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t j = 0; j < g; ++j)
-      for (int u = 0; u < KV; ++u) {
-        at::BFloat16* o = out + (h * g + j) * D + 32 * u;
-        const __m512 r0 = _mm512_permutex2var_ps(acc[j][2 * u], lo, acc[j][2 * u + 1]);
-        const __m512 r1 = _mm512_permutex2var_ps(acc[j][2 * u], hi, acc[j][2 * u + 1]);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(r0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(r1));
-      }
+      for (int u = 0; u < KV; ++u)
+        store_pair_sums(acc[j][2 * u], acc[j][2 * u + 1], out + (h * g + j) * D + 32 * u);
   }
 }
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -412,19 +417,12 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
         for (int u = 0; u < 2 * K16; ++u) acc[j][u] = _mm512_dpwssd_epi32(acc[j][u], pairs[u], p);
       }
     }
-    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t j = 0; j < g; ++j) {
       const __m512 un = _mm512_set1_ps(unscale[j]);
-      for (int u = 0; u < K16; ++u) {
-        at::BFloat16* o = out + (h * g + j) * D + 32 * u;
-        const __m512 x0 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][2 * u]), un);
-        const __m512 x1 = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][2 * u + 1]), un);
-        const __m512 r0 = _mm512_permutex2var_ps(x0, lo, x1);
-        const __m512 r1 = _mm512_permutex2var_ps(x0, hi, x1);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(r0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16), (__m256i)_mm512_cvtneps_pbh(r1));
-      }
+      for (int u = 0; u < K16; ++u)
+        store_pair_sums(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][2 * u]), un),
+                        _mm512_mul_ps(_mm512_cvtepi32_ps(acc[j][2 * u + 1]), un),
+                        out + (h * g + j) * D + 32 * u);
     }
   }
 }

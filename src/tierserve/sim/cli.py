@@ -1,5 +1,9 @@
 """The simulator's commands: `tierserve sim` (one engine or a fleet; `--report
-fast-vs-batch`) and `tierserve plan` (the capacity planner built on it)."""
+fast-vs-batch`) and `tierserve plan` (the capacity planner built on it).
+
+About 410 lines, kept whole: the two commands share their model and machine flags
+(`_add_model_args`) and the rules for which flags a mode refuses (--schedule, --hybrid,
+--forecast), which read best beside each other."""
 
 import os
 import sys
