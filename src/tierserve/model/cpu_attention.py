@@ -20,7 +20,7 @@ instruction with the probabilities in bfloat16: a step's cost per context token 
 The 8-bit cache (`--kv-cache-dtype int8`: int8 rows, a float32 scale per position and KV
 head) has its own loops on integer dot products (`one_sequence_i8`, AVX-512 VNNI): a
 step's attention at 64 sequences took 0.68-0.89 of the bf16 kernel's time
-(benchmarks/decode_attention.py); elsewhere the scalar loop reads it. About 520 lines:
+(benchmarks/decode_attention.py); elsewhere the scalar loop reads it. About 530 lines:
 the C++ is one string, three variants of one algorithm (scalar, bf16, int8) whose
 instruction-level differences are the point of each.
 
