@@ -63,6 +63,28 @@ def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows):
 
 
 @vnni
+@pytest.mark.parametrize("outputs", [192, 256])
+@pytest.mark.parametrize("rows", [1, 4, 64, 144])
+def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(outputs, rows):
+    """Threads share the blocks of 64 outputs by halves (a block's first and last 32
+    outputs at 1-4 rows, its rows above that), so that two threads split 3 or 9 blocks
+    evenly; a shared block's outputs must be the bits one thread computes alone."""
+    layer, w = _int4_layer(outputs, 12 * GROUP_SIZE, seed=outputs + rows)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
+    k, before = kernels.load(), torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(k.int4_matmul(x, layer.weight, layer.scales, layer.group_size))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+    exact = x.double() @ w.t()
+    assert float((results[0].double() - exact).norm() / exact.norm()) < 0.01
+
+
+@vnni
 def test_4_bit_products_of_an_all_zero_group_are_exact():
     layer, w = _int4_layer(64, 4 * GROUP_SIZE, seed=11)
     x = torch.zeros(2, w.shape[1]).bfloat16()

@@ -1,6 +1,6 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 700 lines because it is one kernel family in
+dequantized to W^T for wide inputs. About 740 lines because it is one kernel family in
 one C++ source string (the intrinsics take many lines); cpu_step.py holds the forward pass.
 
 NOTE: the 4- and 8-bit kernels. At a few rows a quantized layer is bound by reading its
@@ -158,10 +158,11 @@ static inline void group_scales(const at::BFloat16* pairs, __m512* s, __m512* z)
 
 // tot (64 outputs in unpack4's lane order) += s d sum(xq q) + (z - 8 s) d sum(xq), from one
 // row's group sums.
+template <int V0 = 0, int V1 = 4>
 static inline void add_group(const __m512i* acc, const __m512* s, const __m512* z, float d,
                              float dsum, __m512* tot) {
   const __m512 dv = _mm512_set1_ps(d), sum = _mm512_set1_ps(dsum);
-  for (int v = 0; v < 4; ++v)
+  for (int v = V0; v < V1; ++v)
     tot[v] = _mm512_fmadd_ps(_mm512_mul_ps(s[v], dv), _mm512_cvtepi32_ps(acc[v]),
                              _mm512_fmadd_ps(z[v], sum, tot[v]));
 }
@@ -203,8 +204,10 @@ static inline void group_rows(const __m512i* w, int64_t steps, const int32_t* xq
 }
 
 // Up to four rows of x against one block, the weights unpacked in registers as they are
-// read: at one to four rows (decode steps) this keeps to the memory's pace.
-template <int R>
+// read: at one to four rows (decode steps) this keeps to the memory's pace. HALF 0: the
+// block's 64 outputs; 1 and 2: only its first or last 32 (the low or the high nibbles of
+// the same bytes, accumulators 0-1 or 2-3), each with the whole block's bits.
+template <int R, int HALF = 0>
 static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsum,
                            const uint8_t* blk, const at::BFloat16* sz, float* out, int64_t n,
                            int64_t k, int64_t group) {
@@ -225,20 +228,21 @@ static void int4_rows_vnni(const int32_t* xq4, const float* dx, const float* xsu
         for (int64_t l = 0; l < 256; l += 64) _mm_prefetch(z + l, _MM_HINT_T1);
       }
     }
+    constexpr int V0 = HALF == 2 ? 2 : 0, V1 = HALF == 1 ? 2 : 4;
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+      for (int v = V0; v < V1; ++v) acc[r][v] = _mm512_setzero_si512();
     for (int64_t i = g * group; i < (g + 1) * group; i += 4) {
       __m512i w[4];
       unpack4(blk + i * 32, w);
       for (int r = 0; r < R; ++r) {
         const __m512i xv = _mm512_set1_epi32(xq4[r * (k / 4) + i / 4]);
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xv);
+        for (int v = V0; v < V1; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], w[v], xv);
       }
     }
     __m512 s[4], z[4];
     group_scales(sz + g * n * 2, s, z);
     for (int r = 0; r < R; ++r)
-      add_group(acc[r], s, z, dx[r * groups + g], xsum[r * groups + g], tot[r]);
+      add_group<V0, V1>(acc[r], s, z, dx[r * groups + g], xsum[r * groups + g], tot[r]);
   }
   for (int r = 0; r < R; ++r) {
     lanes_to_rows(tot[r]);
@@ -418,6 +422,25 @@ static bool int4_fast(const at::Tensor& sz, int64_t group) {
 #endif
 }
 
+// int4_rows_vnni for m rows (1-4) and a half (0: the whole block; 1, 2: first, last 32).
+static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* dx,
+                          const float* xs, const uint8_t* blk, const at::BFloat16* bsz,
+                          float* out, int64_t n, int64_t k, int64_t group) {
+#define TS_ROWS(R)                                                                   \
+  switch (half) {                                                                    \
+    case 0: int4_rows_vnni<R, 0>(xq4, dx, xs, blk, bsz, out, n, k, group); break;    \
+    case 1: int4_rows_vnni<R, 1>(xq4, dx, xs, blk, bsz, out, n, k, group); break;    \
+    default: int4_rows_vnni<R, 2>(xq4, dx, xs, blk, bsz, out, n, k, group);          \
+  }
+  switch (m) {
+    case 1: TS_ROWS(1) break;
+    case 2: TS_ROWS(2) break;
+    case 3: TS_ROWS(3) break;
+    default: TS_ROWS(4)
+  }
+#undef TS_ROWS
+}
+
 // y [M, N] = x W^T for an int4 layer in torch's CPU packing, without dequantizing it.
 static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                               int64_t group) {
@@ -428,42 +451,56 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
   at::Tensor y = at::empty({m, n}, x.options());
 #ifdef TIERSERVE_VNNI
   const at::Tensor szc = sz.contiguous();
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * groups), xs(m * groups);
-  quantize_input(x, xq.data(), dx.data(), xs.data(), m, k, group);
-  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq.data());
+  // not std::vectors, which zeroed them first (memset was 1-2% of a 64-stream step)
+  const std::unique_ptr<int8_t[]> xq(new int8_t[m * k]);
+  const std::unique_ptr<float[]> dx(new float[m * groups]), xs(new float[m * groups]);
+  quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, group);
+  const float *dxp = dx.get(), *xsp = xs.get();
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq.get());
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const at::BFloat16* zp = szc.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t nb = n / 64;
+  // BALANCE: work items are halves of a block (of its outputs at one to four rows, of its
+  // rows from five), in order; the halves of a block that one thread takes both go to one
+  // call. With two threads and an odd number of blocks (9 in a 576-output layer, 15 in
+  // SmolLM2's qkv) one thread took a whole block more than the other and the other waited
+  // (5:4 in o_proj and down_proj); now the middle block is shared, which costs the second
+  // reader one more read of that block's bytes (from L3 at one row: the first has just
+  // read them) and one more unpack.
   if (m <= 4) {
-    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, 2 * nb, 1, [&](int64_t i0, int64_t i1) {
       float out[4 * 64];
-      for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t i = i0; i < i1;) {
+        const int64_t b = i / 2, e = std::min(i1, 2 * b + 2);
+        const int half = e - i == 2 ? 0 : (i % 2 == 0 ? 1 : 2);
         const uint8_t* blk = cp + b * k * 32;
         const at::BFloat16* bsz = zp + b * 64 * 2;
-        switch (m) {
-          case 1: int4_rows_vnni<1>(xq4, dx.data(), xs.data(), blk, bsz, out, n, k, group); break;
-          case 2: int4_rows_vnni<2>(xq4, dx.data(), xs.data(), blk, bsz, out, n, k, group); break;
-          case 3: int4_rows_vnni<3>(xq4, dx.data(), xs.data(), blk, bsz, out, n, k, group); break;
-          default: int4_rows_vnni<4>(xq4, dx.data(), xs.data(), blk, bsz, out, n, k, group);
-        }
-        for (int64_t r = 0; r < m; ++r) narrow(out + r * 64, yp + r * n + b * 64, 64);
+        rows_dispatch(m, half, xq4, dxp, xsp, blk, bsz, out, n, k, group);
+        const int64_t o0 = half == 2 ? 32 : 0, width = half == 0 ? 64 : 32;
+        for (int64_t r = 0; r < m; ++r) narrow(out + r * 64 + o0, yp + r * n + b * 64 + o0, width);
+        i = e;
       }
     });
     return y;
   }
-  // work items: (row tile of up to 128, block of 64 outputs), blocks of one tile adjacent.
-  // The tiles are of equal size (to 4 rows): each thread takes a contiguous range of items,
-  // and a 128-row tile beside a 16-row one (144 rows: a prefill chunk and 16 decodes) gave
-  // one thread most of the work (a 16-decode step with a 128-token prompt took 150 ms
-  // where the two apart took 100).
+  // work items: (row tile of up to 128, block of 64 outputs, half of the tile's rows), the
+  // blocks of one tile adjacent. The tiles are of equal size (to 4 rows): each thread takes
+  // a contiguous range of items, and a 128-row tile beside a 16-row one (144 rows: a
+  // prefill chunk and 16 decodes) gave one thread most of the work (a 16-decode step with
+  // a 128-token prompt took 150 ms where the two apart took 100). A row's bits do not
+  // depend on which rows it is computed with.
   const int64_t tiles = (m + 127) / 128, tile = ((m + tiles - 1) / tiles + 3) / 4 * 4;
-  at::parallel_for(0, nb * tiles, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r0 = (i / nb) * tile, r1 = std::min(m, r0 + tile);
-      (r1 - r0 < TILE_BLOCK_ROWS ? int4_tile_groups : int4_tile_block)(
-          xq4, dx.data(), xs.data(), cp, zp, yp, i % nb, r0, r1, n, k, group);
+  at::parallel_for(0, 2 * nb * tiles, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {
+      const int64_t item = i / 2, e = std::min(i1, 2 * item + 2);
+      const int64_t t0 = (item / nb) * tile, t1 = std::min(m, t0 + tile);
+      const int64_t mid = std::min(t1, t0 + ((t1 - t0) / 2 + 3) / 4 * 4);
+      const int64_t r0 = i % 2 ? mid : t0, r1 = e - i == 2 || i % 2 ? t1 : mid;
+      if (r1 > r0)
+        (r1 - r0 < TILE_BLOCK_ROWS ? int4_tile_groups : int4_tile_block)(
+            xq4, dxp, xsp, cp, zp, yp, item % nb, r0, r1, n, k, group);
+      i = e;
     }
   });
 #endif
@@ -672,12 +709,13 @@ static at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kBFloat16));
 #if defined(TIERSERVE_VNNI) && defined(__AVX512BF16__)
   const at::Tensor sc = scales.to(at::kFloat).contiguous();
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> dx(m * groups), xs(m * groups), corr(m, 0.f);
-  quantize_input(x, xq.data(), dx.data(), xs.data(), m, k, 32);
+  const std::unique_ptr<int8_t[]> xq(new int8_t[m * k]);   // not zeroed: all written
+  const std::unique_ptr<float[]> dx(new float[m * groups]), xs(new float[m * groups]);
+  std::vector<float> corr(m, 0.f);
+  quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, 32);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < groups; ++g) corr[r] += 128.f * xs[r * groups + g];
-  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq.data());
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq.get());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = sc.data_ptr<float>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
@@ -686,7 +724,7 @@ static at::Tensor int8_matmul_vnni(const at::Tensor& x, const at::Tensor& packed
       const uint8_t* wt = wp + t * 32 * k;
       for (int64_t r0 = 0; r0 < m; r0 += 6) {
         const int32_t* xr = xq4 + r0 * (k / 4);
-        const float* dr = dx.data() + r0 * groups;
+        const float* dr = dx.get() + r0 * groups;
         at::BFloat16* yr = yp + r0 * n + t * 32;
         switch (std::min<int64_t>(6, m - r0)) {
           case 1: int8_tile_vnni<1>(wt, xr, dr, corr.data() + r0, sp + t * 32, yr, k, n, groups); break;
