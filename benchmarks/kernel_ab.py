@@ -148,7 +148,7 @@ def attention(versions: dict, engine, args, cpu: str) -> int:
             between[layer].sum()
             begin = time.perf_counter()
             outs.append(m.paged_decode(q, caches[2 * layer], caches[2 * layer + 1], tables,
-                                       lens, dim ** -0.5))
+                                       lens, dim ** -0.5, None, None))  # bf16: no scales
             spent += time.perf_counter() - begin
         return spent, outs
 
