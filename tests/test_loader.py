@@ -1,6 +1,7 @@
 """Model loading: Hugging Face folders, GGUF files (quant types, Q/K permutation), dummy
 weights, and a clear error for each way a checkpoint can be wrong."""
 
+import contextlib
 import json
 
 import numpy as np
@@ -225,6 +226,20 @@ def test_dummy_presets():
     assert logits.shape == (len(TOKENS), 49152) and torch.isfinite(logits).all()
 
 
+def _thread_counts_and_queries():
+    return [(threads, few) for threads in (1, 2, 3) for few in (1, 3)]
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
 def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads, dim):
@@ -250,10 +265,11 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
         values.transpose(1, 2).float(), attn_mask=mask).reshape(batch, heads, dim)
     assert (out.float() - ref).abs().max().item() < tol
     # fewer queries than twice the threads are split by KV head among the threads: the
-    # same numbers as when each query is one work item
-    for few in (1, 3):
-        alone = cpu_attention.paged_decode(kernel, q[-few:], k_cache, v_cache, tables[-few:],
-                                           lens[-few:])
+    # same numbers as when each query is one work item, on any number of threads
+    for threads, few in _thread_counts_and_queries():
+        with _threads(threads):
+            alone = cpu_attention.paged_decode(kernel, q[-few:], k_cache, v_cache,
+                                               tables[-few:], lens[-few:])
         assert torch.equal(alone, out[-few:])
 
 
@@ -293,9 +309,10 @@ def test_paged_decode_on_an_int8_cache_matches_attention_over_its_values(dtype, 
         q.view(batch, kv_heads, g, dim).float(), keys.transpose(1, 2),
         values.transpose(1, 2), attn_mask=mask).reshape(batch, heads, dim)
     assert (out.float() - ref).abs().max().item() < tol
-    for few in (1, 3):
-        alone = cpu_attention.paged_decode(kernel, q[-few:], k8, v8, tables[-few:],
-                                           lens[-few:], ks, vs)
+    for threads, few in _thread_counts_and_queries():
+        with _threads(threads):
+            alone = cpu_attention.paged_decode(kernel, q[-few:], k8, v8, tables[-few:],
+                                               lens[-few:], ks, vs)
         assert torch.equal(alone, out[-few:])
     with pytest.raises(RuntimeError, match="int8 cache needs its scales"):
         cpu_attention.paged_decode(kernel, q, k8, v8, tables, lens)
