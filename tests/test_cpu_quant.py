@@ -64,11 +64,13 @@ def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows):
 
 @vnni
 @pytest.mark.parametrize("outputs", [192, 256])
-@pytest.mark.parametrize("rows", [1, 4, 64, 144])
+@pytest.mark.parametrize("rows", [1, 4, 7, 24, 64, 260])
 def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(outputs, rows):
     """Threads share the blocks of 64 outputs by halves (a block's first and last 32
     outputs at 1-4 rows, its rows above that), so that two threads split 3 or 9 blocks
-    evenly; a shared block's outputs must be the bits one thread computes alone."""
+    evenly; a shared block's outputs must be the bits one thread computes alone (at 24
+    rows a half goes to the group-at-a-time loop where the whole tile takes the block at
+    once; 260 rows are three tiles)."""
     layer, w = _int4_layer(outputs, 12 * GROUP_SIZE, seed=outputs + rows)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
     k, before = kernels.load(), torch.get_num_threads()

@@ -265,7 +265,7 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
         values.transpose(1, 2).float(), attn_mask=mask).reshape(batch, heads, dim)
     assert (out.float() - ref).abs().max().item() < tol
     # fewer queries than twice the threads are split by KV head among the threads: the
-    # same numbers as when each query is one work item, on any number of threads
+    # same numbers as the batch of five, on any number of threads
     for threads, few in _thread_counts_and_queries():
         with _threads(threads):
             alone = cpu_attention.paged_decode(kernel, q[-few:], k_cache, v_cache,

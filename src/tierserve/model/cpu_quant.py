@@ -449,9 +449,10 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
               "not torch's CPU int4 packing");
   TORCH_CHECK(int4_fast(sz, group), "int4_matmul needs AVX-512 VNNI and bfloat16 scales");
   at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
 #ifdef TIERSERVE_VNNI
   const at::Tensor szc = sz.contiguous();
-  // not std::vectors, which zeroed them first (memset was 1-2% of a 64-stream step)
+  // not std::vectors, which zeroed them first (memset was 1-2.5% of a 64-stream step)
   const std::unique_ptr<int8_t[]> xq(new int8_t[m * k]);
   const std::unique_ptr<float[]> dx(new float[m * groups]), xs(new float[m * groups]);
   quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, group);
@@ -465,9 +466,9 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
   // rows from five), in order; the halves of a block that one thread takes both go to one
   // call. With two threads and an odd number of blocks (9 in a 576-output layer, 15 in
   // SmolLM2's qkv) one thread took a whole block more than the other and the other waited
-  // (5:4 in o_proj and down_proj); now the middle block is shared, which costs the second
-  // reader one more read of that block's bytes (from L3 at one row: the first has just
-  // read them) and one more unpack.
+  // (5:4 in o_proj and down_proj); now the middle block is shared, which costs one more
+  // read of that block's bytes (the second thread starts with it and the first ends with
+  // it, half a layer later, probably from L3) and one more unpack.
   if (m <= 4) {
     at::parallel_for(0, 2 * nb, 1, [&](int64_t i0, int64_t i1) {
       float out[4 * 64];
