@@ -4,6 +4,7 @@ concurrency 1/4/16/64 with 16/32/64/128 requests after a warm-up.
 
     python benchmarks/side_by_side.py --server 'NAME|PORT|COMMAND' [--server ...]
                                       [--concurrency 1,4,16,64] [--ready-timeout 300]
+                                      [--rounds 1]
 
 Each server is started by its COMMAND (a shell line; it must listen on 127.0.0.1:PORT),
 waited for until `GET /v1/models` answers 200, measured, and stopped (its whole process
@@ -15,6 +16,14 @@ installed outside the repository (docs/peers.md says how); for example
     --server 'llama-server|8302|/opt/peers/llama-server -m smollm2.gguf --port 8302 ...'
 
 One line per (server, concurrency): output tok/s, TTFT p50/p99, ITL p50/p99 and max.
+
+With --rounds N the servers are measured N times, each round a fresh start of every
+server, in the given order and then reversed (A B, B A, A B, ...), so a drift of the
+machine over the run falls on both. Then one `side_by_side_median` line per (server,
+concurrency) with the medians over the rounds, and one `side_by_side_ratio` line per
+concurrency with each server's median tok/s over the first server's and the ratios
+round by round (on the shared 2-vCPU machines one server's tok/s at 64 streams moved 8%
+between two consecutive runs).
 """
 
 import argparse
@@ -22,6 +31,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -149,7 +159,12 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2", help="model name sent in requests")
     p.add_argument("--ready-timeout", type=float, default=300)
     p.add_argument("--logs", default=None, help="folder for server logs and raw results")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every server this many times, alternating the order, and "
+                        "print medians and ratios (default 1)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     args.logs = args.logs or tempfile.mkdtemp(prefix="side-by-side-")
     os.makedirs(args.logs, exist_ok=True)
     servers = args.server or [f"tierserve-bf16|8311|{TIERSERVE} --port 8311",
@@ -157,16 +172,66 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"# side_by_side machine={platform.machine()} cpus={os.cpu_count()} "
           f"prompt=128 output=128 ignore_eos logs={args.logs}", flush=True)
-    failed = []
-    for spec in servers:
-        name, port, command = spec.split("|", 2)
-        print(f"# {name}: {command}", flush=True)
-        if not measure(name, int(port), command, levels, args):
-            failed.append(name)
+    specs = [spec.split("|", 2) for spec in servers]
+    rounds: list[dict] = []
+    failed = set()
+    for r in range(args.rounds):
+        order = specs if r % 2 == 0 else specs[::-1]
+        if args.rounds > 1:
+            print(f"# round {r + 1} of {args.rounds}", flush=True)
+        results, rargs = {}, args
+        if args.rounds > 1:   # each round's logs and raw results in a folder of its own
+            rargs = argparse.Namespace(**{**vars(args), "logs": os.path.join(
+                args.logs, f"round-{r + 1}")})
+            os.makedirs(rargs.logs, exist_ok=True)
+        for name, port, command in order:
+            print(f"# {name}: {command}", flush=True)
+            results[name] = measure(name, int(port), command, levels, rargs)
+            if not results[name]:
+                failed.add(name)
+        rounds.append(results)
+    if args.rounds > 1:
+        for line in summary([name for name, _, _ in specs], levels, rounds):
+            print(line, flush=True)
     if failed:
-        print(f"# side_by_side: not measured: {', '.join(failed)}", flush=True)
+        print(f"# side_by_side: not measured: {', '.join(sorted(failed))}", flush=True)
     return 1 if failed else 0
 
+
+def summary(names: list[str], levels: list[int], rounds: list[dict]) -> list[str]:
+    """Medians over the rounds per (server, concurrency), then per concurrency each
+    server's median tok/s over the first server's, with the ratio of each round. A round
+    where a server has no result for a level is left out of that server's medians."""
+    def value(res: list[dict], c: int, key: str):
+        return next((x[key] for x in res if x.get("concurrency") == c and x.get("ok")), None)
+
+    lines, medians = [], {}
+    for c in levels:
+        for name in names:
+            cols = {k: [v for rnd in rounds if (v := value(rnd.get(name, []), c, k)) is not None]
+                    for k in ("output_tok_s", "ttft_ms_p99", "itl_ms_p99")}
+            if not cols["output_tok_s"]:
+                continue
+            med = {k: statistics.median(v) for k, v in cols.items() if v}
+            medians[name, c] = med["output_tok_s"]
+            lines.append(f"side_by_side_median server={name} c={c} rounds="
+                         f"{len(cols['output_tok_s'])} tok_s={med['output_tok_s']:.2f} "
+                         f"ttft_ms_p99={med.get('ttft_ms_p99', float('nan')):.1f} "
+                         f"itl_ms_p99={med.get('itl_ms_p99', float('nan')):.2f}")
+        base = names[0]
+        for name in names[1:]:
+            if (base, c) not in medians or (name, c) not in medians:
+                continue
+            per_round = []
+            for rnd in rounds:
+                a, b = value(rnd.get(base, []), c, "output_tok_s"), \
+                    value(rnd.get(name, []), c, "output_tok_s")
+                if a and b:
+                    per_round.append(f"{a / b:.3f}")
+            lines.append(f"side_by_side_ratio c={c} {base}/{name} tok_s="
+                         f"{medians[base, c] / medians[name, c]:.3f} per_round="
+                         f"{','.join(per_round) or '-'}")
+    return lines
 
 if __name__ == "__main__":
     sys.exit(main())
