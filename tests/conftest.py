@@ -1,7 +1,9 @@
 """Shared test helpers: scheduler builders (no torch) and real-model engines (CPU)."""
 
+import importlib.util
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +141,12 @@ def generate(engine, prompts, params):
             if out.finished:
                 done[out.request_id] = out
     return [done[i] for i in ids]
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (they are not a package), for tests of its parts."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,20 +1,15 @@
 """benchmarks/side_by_side.py --rounds: servers measured several times in alternating
 order, and the medians and ratios it prints from the rounds."""
 
-import importlib.util
 import socket
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "side_by_side.py"
+from conftest import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("side_by_side", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("side_by_side")
 
 
 def _res(c, tok_s, ttft_p99=1000.0, itl_p99=40.0, ok=128):

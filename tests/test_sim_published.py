@@ -4,25 +4,19 @@ the simulator reproduces the published runs. What is checked is that accuracy, n
 fitted constants, so a better refit passes."""
 
 import csv
-import importlib.util
 import statistics
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
+from conftest import load_benchmark
 from tierserve.hardware import roofline as hardware
 from tierserve.hardware.roofline import load_hardware, roofline
 from tierserve.model.metadata import resolve
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_published.py"
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("sim_published", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("sim_published")
 
 
 def _errors(bench) -> dict[str, list[float]]:
