@@ -1,5 +1,6 @@
 """Shared test helpers: scheduler builders (no torch) and real-model engines (CPU)."""
 
+import contextlib
 import importlib.util
 import os
 import tempfile
@@ -150,3 +151,16 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to `n` inside the block, restored after it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -4,6 +4,7 @@ or int8 model computes, against the exact product of the weights the layer stand
 import pytest
 import torch
 
+from conftest import torch_threads
 from tierserve.model import kernels
 from tierserve.model.quant import GROUP_SIZE, QuantLinear, int8_linear
 
@@ -73,14 +74,10 @@ def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(outputs, rows
     once; 260 rows are three tiles)."""
     layer, w = _int4_layer(outputs, 12 * GROUP_SIZE, seed=outputs + rows)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
-    k, before = kernels.load(), torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    k, results = kernels.load(), []
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
             results.append(k.int4_matmul(x, layer.weight, layer.scales, layer.group_size))
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     exact = x.double() @ w.t()
     assert float((results[0].double() - exact).norm() / exact.norm()) < 0.01

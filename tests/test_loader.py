@@ -1,13 +1,13 @@
 """Model loading: Hugging Face folders, GGUF files (quant types, Q/K permutation), dummy
 weights, and a clear error for each way a checkpoint can be wrong."""
 
-import contextlib
 import json
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import torch_threads
 from tierserve.config import ModelConfig
 from tierserve.core.scheduler import ScheduledSeq
 from tierserve.errors import ModelLoadError, UnsupportedModelError
@@ -226,18 +226,7 @@ def test_dummy_presets():
     assert logits.shape == (len(TOKENS), 49152) and torch.isfinite(logits).all()
 
 
-def _thread_counts_and_queries():
-    return [(threads, few) for threads in (1, 2, 3) for few in (1, 3)]
-
-
-@contextlib.contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+THREADS_AND_QUERIES = [(threads, few) for threads in (1, 2, 3) for few in (1, 3)]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -266,8 +255,8 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
     assert (out.float() - ref).abs().max().item() < tol
     # fewer queries than twice the threads are split by KV head among the threads: the
     # same numbers as the batch of five, on any number of threads
-    for threads, few in _thread_counts_and_queries():
-        with _threads(threads):
+    for threads, few in THREADS_AND_QUERIES:
+        with torch_threads(threads):
             alone = cpu_attention.paged_decode(kernel, q[-few:], k_cache, v_cache,
                                                tables[-few:], lens[-few:])
         assert torch.equal(alone, out[-few:])
@@ -309,8 +298,8 @@ def test_paged_decode_on_an_int8_cache_matches_attention_over_its_values(dtype, 
         q.view(batch, kv_heads, g, dim).float(), keys.transpose(1, 2),
         values.transpose(1, 2), attn_mask=mask).reshape(batch, heads, dim)
     assert (out.float() - ref).abs().max().item() < tol
-    for threads, few in _thread_counts_and_queries():
-        with _threads(threads):
+    for threads, few in THREADS_AND_QUERIES:
+        with torch_threads(threads):
             alone = cpu_attention.paged_decode(kernel, q[-few:], k8, v8, tables[-few:],
                                                lens[-few:], ks, vs)
         assert torch.equal(alone, out[-few:])

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from tierserve.config import KV_CACHE_DTYPES
 from tierserve.errors import TierserveError
 from tierserve.tiers import TIER_NAMES as TIERS
 
@@ -164,12 +165,11 @@ def cmd_plan(args) -> int:
     given = parse_list(args.hardware, str, "--hardware") if args.hardware else \
         ([] if args.hardware_file else ["h100-sxm", "a100-80gb"])
     args.hardware = ",".join(given + list(args.hardware_file))
-    if args.step_time_margin and (args.hybrid or args.forecast):
-        raise TierserveError("--step-time-margin plans one workload: --hybrid and --forecast "
-                             "do not take it (a schedule has no field to replay it with)")
-    if args.kv_cache_dtype != "auto" and (args.hybrid or args.forecast):
-        raise TierserveError("--kv-cache-dtype plans one workload: --hybrid and --forecast "
-                             "do not take it (a schedule has no field to replay it with)")
+    for flag, given in (("--step-time-margin", args.step_time_margin),
+                        ("--kv-cache-dtype", args.kv_cache_dtype != "auto")):
+        if given and (args.hybrid or args.forecast):
+            raise TierserveError(f"{flag} plans one workload: --hybrid and --forecast do not "
+                                 "take it (a schedule has no field to replay it with)")
     if args.hybrid:
         return _plan_hybrid(args, slo)
     planner = Planner(resolve(args.model), slo, args.attainment, args.tp, args.dtype_bytes,
@@ -265,7 +265,7 @@ def _add_model_args(p) -> None:
                         "intermediate=14336,vocab=128256")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica")
     p.add_argument("--dtype-bytes", type=int, default=2)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="the replicas' KV cache: auto (--dtype-bytes a value) or int8 (a "
                         "byte a value and a float32 scale per token and KV head, as "
                         "`serve --kv-cache-dtype int8`): more blocks in the same memory, "
