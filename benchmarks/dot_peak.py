@@ -2,12 +2,13 @@
 the instruction the 4-bit and 8-bit kernels spend their arithmetic in: the ceiling any
 "fraction of peak" figure for them is taken against.
 
-    python benchmarks/dot_peak.py [--threads 2] [--seconds 0.5]
+    python benchmarks/dot_peak.py [--threads N] [--seconds 0.5]
 
-Each thread runs 12 independent chains of vpdpbusd on registers (the inputs hidden from the
-compiler, the loop unrolled, so nothing is folded or kept in memory) for about --seconds,
-all threads at once; prints one line with the CPU and the multiply-adds a second, in all
-and per thread. A first version of this measurement (twenty-eighth session, written ad hoc
+Each thread (default: torch's thread count) runs 12 independent chains of vpdpbusd on
+registers (each chain's inputs its own and hidden from the compiler, the loop unrolled, so
+nothing is folded or kept in memory) for about --seconds, all threads at once; prints one
+line with the CPU and the multiply-adds a second: in all (every thread's count over the
+wall time of the whole call) and per thread. A first version of this measurement (twenty-eighth session, written ad hoc
 with `gcc -O2`) kept its accumulators in memory, ran at half this rate, and was taken for
 the peak; docs/benchmarks.md says what that changed.
 """
@@ -15,6 +16,7 @@ the peak; docs/benchmarks.md says what that changed.
 import argparse
 import platform
 import sys
+import time
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -23,29 +25,32 @@ SOURCE = r"""
 #include <vector>
 #if defined(__AVX512VNNI__)
 #include <immintrin.h>
-// Multiply-adds of 8 bits a second on each of `threads` threads, run at once.
+// Per thread: 8-bit multiply-adds done and the seconds they took, `threads` threads at once.
 std::vector<double> dot_peak(int64_t threads, double seconds) {
-  std::vector<double> rates(threads, 0.0);
+  std::vector<double> rates(2 * threads, 0.0);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      __m512i a = _mm512_set1_epi8(3 + t), b = _mm512_set1_epi8(5);
-      __m512i acc[12];
-      for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+      __m512i a = _mm512_set1_epi8(3 + t), b[12], acc[12];
+      for (int i = 0; i < 12; ++i) b[i] = _mm512_set1_epi8(5 + i), acc[i] = _mm512_set1_epi32(i);
       int64_t rounds = 0;
       const auto begin = std::chrono::steady_clock::now();
       double spent = 0.0;
       while (spent < seconds) {
         for (int it = 0; it < 100000; ++it) {
-          __asm__ volatile("" : "+v"(a), "+v"(b));
+          __asm__ volatile("" : "+v"(a));
 #pragma GCC unroll 12
-          for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+          for (int i = 0; i < 12; ++i) {
+            __asm__ volatile("" : "+v"(b[i]));
+            acc[i] = _mm512_dpbusd_epi32(acc[i], a, b[i]);
+          }
         }
         rounds += 100000;
         spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
       }
       int sink = 0;
       for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_epi32(acc[i]);
-      rates[t] = rounds * 12.0 * 64.0 / spent + (sink == 42 ? 1e-9 : 0.0);
+      rates[2 * t] = rounds * 12.0 * 64.0 + (sink == 42 ? 1.0 : 0.0);
+      rates[2 * t + 1] = spent;
     }
   });
   return rates;
@@ -63,8 +68,8 @@ def main(argv=None) -> int:
                    help="threads run at once (default: torch's thread count)")
     p.add_argument("--seconds", type=float, default=0.5)
     args = p.parse_args(argv)
-    if (args.threads is not None and args.threads < 1) or args.seconds <= 0:
-        p.error("--threads and --seconds must be positive")
+    if (args.threads is not None and args.threads < 1) or not 0 < args.seconds < 600:
+        p.error("--threads must be positive and --seconds between 0 and 600")
     import torch
     from torch.utils.cpp_extension import load_inline
 
@@ -75,13 +80,15 @@ def main(argv=None) -> int:
     module = load_inline(name="tierserve_dot_peak", cpp_sources=[SOURCE],
                          extra_cflags=["-O3", "-march=native", "-fopenmp"],
                          extra_ldflags=["-fopenmp"])
-    rates = module.dot_peak(threads, args.seconds)
-    if not rates:
+    begin = time.perf_counter()
+    counts = module.dot_peak(threads, args.seconds)
+    wall = time.perf_counter() - begin
+    if not counts:
         print("dot_peak: this CPU (or compiler) has no AVX-512 VNNI", file=sys.stderr)
         return 1
     print(f"dot_peak cpu='{cpu_model()}' machine={platform.machine()} threads={threads} "
-          f"seconds={args.seconds} instruction=vpdpbusd_zmm gmac_s={sum(rates) / 1e9:.1f} "
-          f"per_thread={' '.join(f'{r / 1e9:.1f}' for r in rates)}")
+          f"seconds={args.seconds} instruction=vpdpbusd_zmm gmac_s={sum(counts[::2]) / wall / 1e9:.1f} "
+          f"per_thread={' '.join(f'{n / s / 1e9:.1f}' for n, s in zip(counts[::2], counts[1::2]))}")
     return 0
 
 
