@@ -27,7 +27,7 @@ SOURCE = r"""
 #include <immintrin.h>
 // Per thread: 8-bit multiply-adds done and the seconds they took, `threads` threads at once.
 std::vector<double> dot_peak(int64_t threads, double seconds) {
-  std::vector<double> rates(2 * threads, 0.0);
+  std::vector<double> out(2 * threads, 0.0);   // per thread: (multiply-adds, seconds)
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       __m512i a = _mm512_set1_epi8(3 + t), b[12], acc[12];
@@ -49,11 +49,11 @@ std::vector<double> dot_peak(int64_t threads, double seconds) {
       }
       int sink = 0;
       for (int i = 0; i < 12; ++i) sink += _mm512_reduce_add_epi32(acc[i]);
-      rates[2 * t] = rounds * 12.0 * 64.0 + (sink == 42 ? 1.0 : 0.0);
-      rates[2 * t + 1] = spent;
+      out[2 * t] = rounds * 12.0 * 64.0 + (sink == 42 ? 1.0 : 0.0);
+      out[2 * t + 1] = spent;
     }
   });
-  return rates;
+  return out;
 }
 #else
 std::vector<double> dot_peak(int64_t, double) { return {}; }
@@ -74,21 +74,24 @@ def main(argv=None) -> int:
     from torch.utils.cpp_extension import load_inline
 
     from tierserve.engine.calibrate import cpu_model
+    from tierserve.model import kernels
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     module = load_inline(name="tierserve_dot_peak", cpp_sources=[SOURCE],
-                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                         extra_ldflags=["-fopenmp"])
+                         extra_cflags=kernels._FLAGS, extra_ldflags=["-fopenmp"])  # as the
+    # kernels are built
     begin = time.perf_counter()
     counts = module.dot_peak(threads, args.seconds)
     wall = time.perf_counter() - begin
     if not counts:
         print("dot_peak: this CPU (or compiler) has no AVX-512 VNNI", file=sys.stderr)
         return 1
+    done, spent = counts[::2], counts[1::2]
+    per_thread = " ".join(f"{n / s / 1e9:.1f}" for n, s in zip(done, spent))
     print(f"dot_peak cpu='{cpu_model()}' machine={platform.machine()} threads={threads} "
-          f"seconds={args.seconds} instruction=vpdpbusd_zmm gmac_s={sum(counts[::2]) / wall / 1e9:.1f} "
-          f"per_thread={' '.join(f'{n / s / 1e9:.1f}' for n, s in zip(counts[::2], counts[1::2]))}")
+          f"seconds={args.seconds} instruction=vpdpbusd_zmm gmac_s={sum(done) / wall / 1e9:.1f} "
+          f"per_thread={per_thread}")
     return 0
 
 

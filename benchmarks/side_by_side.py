@@ -233,5 +233,6 @@ def summary(names: list[str], levels: list[int], rounds: list[dict]) -> list[str
                          f"{','.join(per_round) or '-'}")
     return lines
 
+
 if __name__ == "__main__":
     sys.exit(main())
