@@ -159,9 +159,11 @@ def documents(tokenizer, chunk: int, concat: bool = False) -> list[list[int]]:
     return [p for p in pieces if len(p) > 1]
 
 
-def logits(model, tokens: list[int], lean: bool = False) -> torch.Tensor:
+def logits(model, tokens: list[int], lean: bool = False, paged: bool = False) -> torch.Tensor:
     """Teacher-forced float32 logits [T, vocab] of one sequence from position 0; `lean`:
-    through the lean step (model/cpu_step.py) instead of the Python layers."""
+    through the lean step (model/cpu_step.py) instead of the Python layers; `paged`: its
+    attention by the paged kernel, each position a query over its own context, as the
+    engine computes a prefill chunk in the lean step (torch's SDPA otherwise)."""
     from tierserve.model import cpu_step, kernels
     from tierserve.model.llama import AttentionMetadata, PrefillChunk
 
@@ -173,6 +175,12 @@ def logits(model, tokens: list[int], lean: bool = False) -> torch.Tensor:
     attn = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=0,
                              decode_block_tables=None, decode_mask=None,
                              decode_context_lens=None, prefills=[PrefillChunk(0, T, None, None)])
+    if paged:
+        attn = AttentionMetadata(
+            slot_mapping=torch.arange(T), num_decodes=T,
+            decode_block_tables=torch.arange(blocks).repeat(T, 1), decode_mask=None,
+            decode_context_lens=torch.arange(1, T + 1), prefills=[],
+            decode_kernel=kernels.load())
     with torch.inference_mode():
         if lean:
             forward = cpu_step.LeanForward(kernels.load(), model, caches)
@@ -197,6 +205,7 @@ def q6k_sim(w: torch.Tensor) -> torch.Tensor:
 
 
 LEAN = ", lean step"
+PAGED = ", lean step, paged prefill"
 DECODED = ", decoded, kv_cache_dtype="
 GGUF = "gguf (Q4_1->int4, Q8_0 head->int8)"
 
@@ -257,7 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="most tokens per sequence")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--lean", action="store_true",
-                   help="also bf16 and gguf through the lean step (one C++ forward pass)")
+                   help="also bf16 and gguf through the lean step (one C++ forward pass), its "
+                        "prefill attention by torch's SDPA and by the paged kernel")
     p.add_argument("--decode", action="store_true",
                    help="also bf16 and gguf decoded one token per step through the lean "
                         "step, with the KV cache in the model's dtype and in int8 "
@@ -283,7 +293,8 @@ def main(argv=None) -> int:
         if kernels.load() is None:
             print("quant_quality: --lean needs the CPU kernels", file=sys.stderr)
             return 1
-        formats |= {name + LEAN: formats[name] for name in ("bf16 (none)", GGUF)}
+        formats |= {name + suffix: formats[name] for name in ("bf16 (none)", GGUF)
+                    for suffix in (LEAN, PAGED)}
     if args.decode:
         if kernels.load() is None:
             print("quant_quality: --decode needs the CPU kernels", file=sys.stderr)
@@ -305,7 +316,7 @@ def main(argv=None) -> int:
                 out = cpu_step.decode_logits(kernels.load(), model, tokens,
                                              name.rpartition(DECODED)[2])
             else:
-                out = logits(model, tokens, name.endswith(LEAN))
+                out = logits(model, tokens, name.endswith((LEAN, PAGED)), name.endswith(PAGED))
             lp = torch.log_softmax(out, -1)
             kl[name] += (ref_lp.exp() * (ref_lp - lp)).sum(-1).sum().item()
             top1[name] += (lp.argmax(-1) == ref_lp.argmax(-1)).sum().item()

@@ -44,7 +44,9 @@ def test_tiers_routing_and_cost_through_the_gateway(replicas, tmp_path):
     try:
         client = gw.client()
         r = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            # not "What is the capital of France?": float32 itself nearly ties its first
+            # token there ("The" 0.152, "L" 0.140), and bf16's kernels may take either
+            model=MODEL, messages=[{"role": "user", "content": "Name the capital of France."}],
             max_tokens=20, temperature=0)
         assert "Paris" in r.choices[0].message.content and r.service_tier == "default"
         cost = r.usage.model_extra["cost_details"]

@@ -186,12 +186,12 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 """Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
 chunks on the paged kernel; 4: back on torch's attention; 5: a prefill chunk's own cost
 and more decode steps; 6: sampled as a default request, more small decode steps; 7: float32
-weights packed by oneDNN on an AVX2-only CPU; 8: full decode steps counted): older files
-are then not read."""
+weights packed by oneDNN on an AVX2-only CPU; 8: full decode steps counted; 9: prefill
+chunks on the paged kernel again): older files are then not read."""
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:

@@ -46,6 +46,8 @@ class ModelRunner:
         """The whole forward pass in one C++ call (model/cpu_step.py), where it applies."""
         if lean:
             self.lean = cpu_step.LeanForward(self.decode_kernel, model, self.kv_caches)
+        self.paged_prefill = lean and kv_cache_dtype != "int8"
+        """Prefill chunks' attention by the paged kernel (see _paged)."""
         self.states: dict[str, SamplingState] = {}
         self._seed_stream = torch.Generator().manual_seed(seed)
 
@@ -72,7 +74,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        seqs = sorted(output.seqs, key=lambda s: not _decodes(s))   # decodes first
+        seqs = sorted(output.seqs, key=lambda s: not self._paged(s))   # decode queries first
         input_ids, positions, attn, sample_rows = self._prepare(seqs)
         if self.lean is not None:
             hidden = self.lean(self.model.embed(input_ids), positions, attn)
@@ -130,14 +132,7 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if seq.sample:   # a speculating decode samples each of its positions
                 sample_rows += range(offset + n - 1 - seq.num_draft, offset + n)
-            if _decodes(seq):
-                # each position of a speculating decode is a decode query of its own (the
-                # step stores every row's K and V before attending), so verifying drafts
-                # costs what decoding that many rows does, not a prefill chunk's path.
-                # Prefill chunks stay on torch's attention: the paged kernel read them 35%
-                # faster (a 128-token prefill 81 ms instead of 124, 2-core EPYC Zen 4, 4-bit)
-                # but moved bfloat16's greedy answer to "What is the capital of France?"
-                # off Paris (a near-tie first token; float32 and this path say Paris)
+            if self._paged(seq):
                 decodes += [(seq, start + i) for i in range(n)]
             else:
                 prefills.append((seq, offset))
@@ -151,6 +146,21 @@ class ModelRunner:
             attn.decode_context_lens = self._tensor([pos + 1 for _, pos in decodes])
         return (self._tensor(input_ids), self._tensor(positions), attn,
                 self._tensor(sample_rows))
+
+    def _paged(self, seq: ScheduledSeq) -> bool:
+        """Whether each of the seq's positions is a query of the paged kernel over its own
+        context (the step stores every row's K and V before attending). A decode's, and a
+        speculating decode's, so verifying drafts costs what decoding that many rows does.
+        In the lean step a prefill chunk's too: torch's CPU flash attention took 15% of a
+        64-stream closed loop over 128-token prompts (5.1 s of 34, in chunks with cached
+        context over gathered blocks and a mask), and the kernel reads each position's
+        context in place (2-core EPYC Zen 4, 4-bit; docs/benchmarks.md). Against float32,
+        teacher-forced, its mean KL is SDPA's (bf16 0.00089 against 0.00090, gguf 0.00396
+        against 0.00386: `benchmarks/quant_quality.py --lean`). Not with the int8 KV cache,
+        whose kernel rounds each query to int8 too: prompt rows of random tokens then
+        moved by a KL of 0.31 from the bfloat16 cache's (tests/test_lean_step.py), where
+        SDPA over the widened keys stays under 0.07."""
+        return _decodes(seq) or (self.paged_prefill and self.lean is not None)
 
     def _decode_tables(self, decodes: list[tuple[ScheduledSeq, int]]):
         """Block tables (and, without the kernel, masks) of decode queries: (seq, position)."""
