@@ -8,7 +8,9 @@ each layer is four linear calls and four fused loops, driven from C++:
     x = rmsnorm(h)                       (fused with the previous layer's residual add)
     qkv = linear(x)
     rope(q), rope(k); k, v -> paged cache   (one pass over the row)
-    attention: decodes by the paged kernel (cpu_attention), prefill chunks by SDPA
+    attention: by the paged kernel (cpu_attention), each position a query over its own
+               context (the runner sends prompt rows so too, except over an int8 KV
+               cache, where prefill chunks take SDPA; worker/model_runner.py's _paged)
     h += linear(attn); x = rmsnorm(h)    (one pass)
     x = silu(gate) * up                  (one pass)
     m = linear(x); the next layer's norm adds it to h
