@@ -7,10 +7,11 @@ its own context, as the engine runs it) against torch's SDPA, in one engine, alt
 
 Lone prefills of each of `--lengths` tokens (one request, one output token) and a burst of
 `--burst` 128-token prompts, the two paths alternating `--rounds` times: the median time of
-each. Then a closed loop of `--requests` requests (128-token prompts of random ids, 128
-output tokens, EOS ignored) at `--concurrency`, each path `--loops` times in alternation
-(fresh prompts each run, so no prefix is cached): output tok/s. The step-time cap is off,
-so both paths schedule alike. One line per case with the config.
+each (a prompt longer than the step's token budget, 512 here, is prefilled in chunks that
+continue cached context). Then a closed loop of `--requests` requests (128-token prompts of
+random ids, 128 output tokens, EOS ignored) at `--concurrency`, each path `--loops` times
+in alternation: output tok/s. Prefix caching and the step-time cap are off, so both paths
+compute and schedule alike. One line per case with the config.
 """
 
 import argparse
@@ -22,7 +23,8 @@ import time
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quantization", default="gguf", help="as `make serve` (none: bf16)")
+    ap.add_argument("--quantization", default="gguf", choices=("gguf", "int8", "none"),
+                    help="as `make serve` (none: bf16)")
     ap.add_argument("--lengths", default="32,128,512")
     ap.add_argument("--burst", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
@@ -49,6 +51,9 @@ def main() -> int:
         max_num_seqs=max(args.concurrency, args.burst), priority_step_time_s=0,
         enable_prefix_caching=False))
     runner = engine.runner
+    if max(lengths) >= engine.max_model_len:
+        ap.error(f"--lengths: at most {engine.max_model_len - 1} tokens (the model's context "
+                 f"less one output token), not {max(lengths)}")
     if not runner.paged_prefill:
         print("prefill_attention: this engine has no lean step with the paged prefill "
               "(no C++ kernels here, or an int8 KV cache)", file=sys.stderr)
@@ -88,15 +93,15 @@ def main() -> int:
                                                          [128] * args.burst)]
     for paged in (True, False):                    # warm both paths
         prefill(paged, [prompt(n) for n in (32, 128)])
-    config = (f"cpu='{cpu_model()}' quantization={args.quantization} "
-              f"rounds={args.rounds}")
+    config = f"cpu='{cpu_model()}' quantization={args.quantization}"
     for name, sizes in cases:
         times = {True: [], False: []}
         for r in range(args.rounds):
             for paged in ((True, False) if r % 2 else (False, True)):
                 times[paged].append(prefill(paged, [prompt(n) for n in sizes]))
         paged_ms, sdpa_ms = (statistics.median(times[k]) * 1e3 for k in (True, False))
-        print(f"prefill_attention {config} case={name} | ms paged {paged_ms:.1f} sdpa "
+        print(f"prefill_attention {config} rounds={args.rounds} case={name} | ms paged "
+              f"{paged_ms:.1f} sdpa "
               f"{sdpa_ms:.1f} paged/sdpa {paged_ms / sdpa_ms:.3f}", flush=True)
     rates = {True: [], False: []}
     for r in range(args.loops):

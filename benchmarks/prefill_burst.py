@@ -1,6 +1,8 @@
 """A burst's prompts prefilled in one step: the lean step's attention with one SDPA call
 for each run of fresh chunks of one length (as it runs) against one call per chunk,
-alternating in one process on one engine.
+alternating in one process on one engine. Prompts take SDPA where the KV cache is int8;
+over the bfloat16 cache the engine sends them to the paged kernel
+(benchmarks/prefill_attention.py), so here its runner is set to SDPA.
 
     python benchmarks/prefill_burst.py [--formats gguf,none] [--bursts 4x128,8x64,2x256]
                                        [--rounds 8]
@@ -54,6 +56,7 @@ def main(argv=None) -> int:
             print(f"prefill_burst: no lean step for {fmt} (no C++ kernels)", file=sys.stderr)
             return 1
         impl = engine.runner.lean.impl
+        engine.runner.paged_prefill = False     # the SDPA path whose grouping is measured
 
         def step_ms(n: int, length: int) -> float:
             for _ in range(n):

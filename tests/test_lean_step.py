@@ -27,32 +27,41 @@ def _compare_steps(engine, decodes_only: bool = False) -> tuple[float, float, se
     path to lean) and the kinds of step seen."""
     runner, model = engine.runner, engine.runner.model
     assert runner.lean is not None
-    worst, worst_kl, kinds = 0.0, 0.0, set()
-    original, lean = model.forward, runner.lean
+    worst, worst_kl, kinds, step = 0.0, 0.0, set(), {}
+    original, lean, execute = model.forward, runner.lean, runner.execute
+
+    def scheduled(output):
+        """The step's kind, from what was scheduled: in the lean step over a bfloat16 cache
+        every row is a query of the paged kernel, prompt rows too (ModelRunner._paged)."""
+        prompts = [s for s in output.seqs if not s.is_decode]
+        step["kind"] = ("decode" if not prompts else
+                        "mixed" if len(prompts) < len(output.seqs) else "prefill")
+        step["cached"] = any(s.start_pos > 0 for s in prompts)
+        return execute(output)
 
     def both(input_ids, positions, attn, kv_caches):
         ref = original(input_ids, positions, attn, kv_caches)
         out = lean(model.embed(input_ids), positions, attn)
         nonlocal worst, worst_kl
-        if decodes_only and attn.num_decodes < len(input_ids):
+        if decodes_only and step["kind"] != "decode":
             return ref
         worst = max(worst, float((out - ref).float().norm() / ref.float().norm()))
         p = torch.log_softmax(model.compute_logits(ref), -1)
         q = torch.log_softmax(lean.logits(out), -1)          # the lean step's own head
         worst_kl = max(worst_kl, float((p.exp() * (p - q)).sum(-1).mean()))
-        kinds.add("decode" if attn.num_decodes == len(input_ids) else
-                  "mixed" if attn.num_decodes else "prefill")
-        if any(c.block_table is not None for c in attn.prefills):
+        kinds.add(step["kind"])
+        if step["cached"]:
             kinds.add("cached-context chunk")
         return ref
 
     runner.lean = None                  # route the runner through model.forward: `both`
     model.forward = both
+    runner.execute = scheduled
     try:
         generate(engine, _prompts(0), SamplingParams(temperature=0.0, max_tokens=8,
                                                      ignore_eos=True))
     finally:
-        del model.forward
+        del model.forward, runner.execute
         runner.lean = lean
     return worst, worst_kl, kinds
 

@@ -12,18 +12,20 @@ NOTE: the model
     - per_token: the linear layers' work per token computed;
     - per_kv_token: a decode reads its whole context from the KV cache once, one token of
       work per cached token, bound by memory;
-    - per_pair: a prefill chunk of n tokens at offset s attends n x (s + n) pairs, in
-      dense matrix products: far cheaper per pair than a decode's reads. One feature for
-      both would let the prefills' many cheap pairs hide the decodes' cost (measured:
-      a 32-sequence decode step at context 420 predicted 55 ms, took 92).
-    - per_chunk: what a prefill chunk costs beyond a decode's per_seq: its own attention
-      path in every layer (the lean step runs torch's attention for chunks and the paged
-      kernel for decodes), its masks and copies. With one per_seq for both, the fit
-      spread a chunk's cost over per_token (0.77 ms against 0.62 fitted apart): on a
-      2-core Zen 4 the whole-step model then predicted steps where a chunk meets decodes
-      13-24% short (docs/benchmarks.md); fitted apart, a chunk costs 5-10 ms more than a
-      decode's 0-0.4 ms. Zero in a model that does not measure it (profiles written
-      before it, roofline models), which is the old model.
+    - per_pair: a prefill chunk of n tokens at offset s attends n x (s + n) pairs, by the
+      paged kernel query after query over a context already in cache (or, over an int8
+      KV cache, in torch's dense matrix products): far cheaper per pair than a decode's
+      reads. One feature for both would let the prefills' many cheap pairs hide the
+      decodes' cost (measured: a 32-sequence decode step at context 420 predicted 55 ms,
+      took 92).
+    - per_chunk: what a prefill chunk costs beyond a decode's per_seq: its own tables in
+      every layer (and over an int8 KV cache torch's attention, its masks and copies; the
+      figures below were measured when every chunk took that path). With one per_seq for
+      both, the fit spread a chunk's cost over per_token (0.77 ms against 0.62 fitted
+      apart): on a 2-core Zen 4 the whole-step model then predicted steps where a chunk
+      meets decodes 13-24% short (docs/benchmarks.md); fitted apart, a chunk costs 5-10
+      ms more than a decode's 0-0.4 ms. Zero in a model that does not measure it
+      (profiles written before it, roofline models), which is the old model.
 
     The coefficients are fitted by least squares to measured steps (`fit`), which is what a
     calibration run does on the engine at hand (`tierserve calibrate`). In absolute error

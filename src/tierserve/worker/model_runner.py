@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, the KV cache tensors and per-request sampling state.
 
-It receives a SchedulerOutput (ints and lists), packs it into tensors (decodes first,
-then prefill chunks), runs one forward pass, computes logits only for the sequences that
-sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
+It receives a SchedulerOutput (ints and lists), packs it into tensors (the paged kernel's
+queries first, then prefill chunks for SDPA; in the lean step over a bfloat16 cache every
+row is such a query, see `_paged`), runs one forward pass, computes logits only for the
+sequences that sample, and returns a RunnerOutput (ints). Nothing here decides what runs.
 """
 
 import torch
@@ -18,8 +19,8 @@ from tierserve.worker.sampler import SamplingState, sample
 
 
 def _decodes(seq: ScheduledSeq) -> bool:
-    """Whether the paged decode kernel computes the seq's attention: one token, or a
-    speculating decode (one query per position)."""
+    """Whether the seq's positions are the paged kernel's queries in any runner: one
+    token, or a speculating decode (one query per position). Prompt chunks: `_paged`."""
     return seq.is_decode or len(seq.token_ids) == 1
 
 
@@ -47,7 +48,8 @@ class ModelRunner:
         if lean:
             self.lean = cpu_step.LeanForward(self.decode_kernel, model, self.kv_caches)
         self.paged_prefill = lean and kv_cache_dtype != "int8"
-        """Prefill chunks' attention by the paged kernel (see _paged)."""
+        """Prefill chunks' attention by the paged kernel (see _paged), in the lean step and
+        in the Python layers alike where a test or benchmark routes a step through them."""
         self.states: dict[str, SamplingState] = {}
         self._seed_stream = torch.Generator().manual_seed(seed)
 
@@ -158,9 +160,10 @@ class ModelRunner:
         teacher-forced, its mean KL is SDPA's (bf16 0.00089 against 0.00090, gguf 0.00396
         against 0.00386: `benchmarks/quant_quality.py --lean`). Not with the int8 KV cache,
         whose kernel rounds each query to int8 too: prompt rows of random tokens then
-        moved by a KL of 0.31 from the bfloat16 cache's (tests/test_lean_step.py), where
-        SDPA over the widened keys stays under 0.07."""
-        return _decodes(seq) or (self.paged_prefill and self.lean is not None)
+        moved by a KL of 0.31 from the bfloat16 cache's (measured with the replay in
+        tests/test_lean_step.py's int8 test, whose bound is 0.2), where SDPA over the
+        widened keys stays under 0.07."""
+        return _decodes(seq) or self.paged_prefill
 
     def _decode_tables(self, decodes: list[tuple[ScheduledSeq, int]]):
         """Block tables (and, without the kernel, masks) of decode queries: (seq, position)."""
