@@ -8,9 +8,10 @@ Each thread (default: torch's thread count) runs 12 independent chains of vpdpbu
 registers (each chain's inputs its own and hidden from the compiler, the loop unrolled, so
 nothing is folded or kept in memory) for about --seconds, all threads at once; prints one
 line with the CPU and the multiply-adds a second: in all (every thread's count over the
-wall time of the whole call) and per thread. A first version of this measurement (twenty-eighth session, written ad hoc
-with `gcc -O2`) kept its accumulators in memory, ran at half this rate, and was taken for
-the peak; docs/benchmarks.md says what that changed.
+wall time of the whole call) and per thread. A first version of this measurement
+(twenty-eighth session, written ad hoc with `gcc -O2`) kept its accumulators in memory,
+ran at half this rate, and was taken for the peak; docs/benchmarks.md says what that
+changed.
 """
 
 import argparse
@@ -78,9 +79,9 @@ def main(argv=None) -> int:
 
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
+    # built as the kernels are
     module = load_inline(name="tierserve_dot_peak", cpp_sources=[SOURCE],
-                         extra_cflags=kernels._FLAGS, extra_ldflags=["-fopenmp"])  # as the
-    # kernels are built
+                         extra_cflags=kernels._FLAGS, extra_ldflags=["-fopenmp"])
     begin = time.perf_counter()
     counts = module.dot_peak(threads, args.seconds)
     wall = time.perf_counter() - begin

@@ -168,22 +168,13 @@ def logits(model, tokens: list[int], lean: bool = False, paged: bool = False) ->
     attention by the paged kernel, each position a query over its own context, as the
     engine computes a prefill chunk in the lean step (torch's SDPA otherwise)."""
     from tierserve.model import cpu_step, kernels
-    from tierserve.model.llama import AttentionMetadata, PrefillChunk
+    from tierserve.model.llama import AttentionMetadata
 
     T = len(tokens)
     shape = model.shape
     dtype = next(model.parameters()).dtype
-    blocks = -(-T // 16)
-    caches = cpu_step.new_kv_caches(shape, blocks, 16, dtype)
-    attn = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=0,
-                             decode_block_tables=None, decode_mask=None,
-                             decode_context_lens=None, prefills=[PrefillChunk(0, T, None, None)])
-    if paged:
-        attn = AttentionMetadata(
-            slot_mapping=torch.arange(T), num_decodes=T,
-            decode_block_tables=torch.arange(blocks).repeat(T, 1), decode_mask=None,
-            decode_context_lens=torch.arange(1, T + 1), prefills=[],
-            decode_kernel=kernels.load())
+    caches = cpu_step.new_kv_caches(shape, -(-T // 16), 16, dtype)
+    attn = AttentionMetadata.one_sequence(T, kernels.load() if paged else None)
     with torch.inference_mode():
         if lean:
             forward = cpu_step.LeanForward(kernels.load(), model, caches)

@@ -102,19 +102,14 @@ def test_lean_prefill_is_as_close_to_float32_as_the_python_path():
     measured, against about 0.002 for the 4-bit weights themselves)."""
     from tierserve.model.cpu_linear import pack_linears, unpacked_copy
     from tierserve.model.gguf_quant import quantize_model
-    from tierserve.model.llama import AttentionMetadata, PrefillChunk
+    from tierserve.model.llama import AttentionMetadata
 
     engine = get_engine(max_num_batched_tokens=64, kv_cache_memory_gb=0.5)
     ref = engine.runner.model
     tokens = engine.tokenizer.encode(TEXT)[:256]
     T, shape = len(tokens), ref.shape
-    attn = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=0,
-                             decode_block_tables=None, decode_mask=None,
-                             decode_context_lens=None, prefills=[PrefillChunk(0, T, None, None)])
-    paged = AttentionMetadata(slot_mapping=torch.arange(T), num_decodes=T,
-                              decode_block_tables=torch.arange(-(-T // 16)).repeat(T, 1),
-                              decode_mask=None, decode_context_lens=torch.arange(1, T + 1),
-                              prefills=[], decode_kernel=kernels.load())
+    attn = AttentionMetadata.one_sequence(T)
+    paged = AttentionMetadata.one_sequence(T, kernels.load())
     assert engine.runner.paged_prefill      # what the engine does with this prompt
 
     def log_probs(model, lean: bool, attn=attn):

@@ -51,7 +51,9 @@ class AttentionMetadata:
     slot_mapping: Tensor
     """[T] long: cache slot (block * block_size + offset) of each new token's K/V."""
     num_decodes: int
-    """The first num_decodes tokens are single-token decodes."""
+    """The first num_decodes tokens are queries of the paged decode kernel, each over its
+    own context: decodes, a speculating decode's positions and, in the lean step, prompt
+    positions (worker/model_runner.py's _paged)."""
     decode_block_tables: Tensor | None
     """[D, max_blocks] long, padded with block 0."""
     decode_mask: Tensor | None
@@ -61,6 +63,22 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     decode_kernel: object = None
     """The compiled paged decode kernel (model/cpu_attention.py), or None for torch ops."""
+
+    @classmethod
+    def one_sequence(cls, length: int, paged_kernel=None, block_size: int = 16
+                     ) -> "AttentionMetadata":
+        """One sequence of `length` tokens from position 0 in cache blocks 0, 1, ... (for
+        teacher-forced quality checks): one prefill chunk for SDPA, or, given the paged
+        kernel, each position a query over its own context, as the engine's lean step
+        computes a prompt."""
+        if paged_kernel is None:
+            return cls(slot_mapping=torch.arange(length), num_decodes=0,
+                       decode_block_tables=None, decode_mask=None, decode_context_lens=None,
+                       prefills=[PrefillChunk(0, length, None, None)])
+        return cls(slot_mapping=torch.arange(length), num_decodes=length,
+                   decode_block_tables=torch.arange(-(-length // block_size)).repeat(length, 1),
+                   decode_mask=None, decode_context_lens=torch.arange(1, length + 1),
+                   prefills=[], decode_kernel=paged_kernel)
 
 
 class RotaryEmbedding(nn.Module):
