@@ -12,7 +12,8 @@ at every size, as a decode does (the dequantizing path of long prefills is the s
 weights with one more bfloat16 rounding). With `--lean` the lean step's own 4- and 8-bit
 kernels run where a piece has at most 96 tokens (`--chunk 96`: what decode steps compute,
 inputs rounded to int8 per 32 for the 4-bit layers); longer pieces take its dequantizing
-path. `--lean` runs each of those twice: the prompt's attention by torch's SDPA, and by the
+path (on a CPU with AMX, pieces over 32 tokens take its bfloat16 copies: cpu_step.DENSE_ROWS;
+`TIERSERVE_NO_DENSE_COPY=1` keeps the kernels). `--lean` runs each of those twice: the prompt's attention by torch's SDPA, and by the
 paged kernel with each position a query over its own context (", paged prefill": what the
 engine's lean step computes, except over an int8 KV cache). With `--decode`, bf16 and
 gguf also run as the engine decodes, one token per lean step through the paged decode

@@ -215,6 +215,55 @@ def test_wide_inputs_dequantize_4_bit_weights_in_cpp_as_torch_does():
     assert (got == want).float().mean() > 0.999
 
 
+def test_wide_steps_run_a_bfloat16_copy_of_the_integer_layers_where_the_cpu_has_amx(
+        monkeypatch):
+    """On a CPU with AMX the lean step also holds each 4- and 8-bit layer's weight in
+    bfloat16, packed by oneDNN, for inputs of more than DENSE_ROWS rows. Up to that width
+    a step is the integer kernels', bit for bit; above it, the step computes what the
+    Python layers compute (bfloat16 activations, not rounded to int8), closer to them than
+    the integer kernels. AMX is faked where absent: oneDNN packs the same way without it."""
+    from tierserve.model.cpu_linear import packs_bf16
+    from tierserve.model.llama import AttentionMetadata
+
+    if not packs_bf16():
+        pytest.skip("oneDNN packs no bfloat16 on this CPU: no copies are made")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    engine = get_engine(dtype="bfloat16", quantization="gguf", max_num_batched_tokens=128,
+                        kv_cache_memory_gb=0.25)
+    model, shape = engine.runner.model, engine.runner.model.shape
+    tokens = engine.tokenizer.encode(TEXT)
+
+    def run(T: int, copies: bool, python: bool = False):
+        if copies:
+            monkeypatch.delenv("TIERSERVE_NO_DENSE_COPY", raising=False)
+        else:
+            monkeypatch.setenv("TIERSERVE_NO_DENSE_COPY", "1")
+        caches = [tuple(torch.zeros(-(-T // 16), 16, shape.num_kv_heads, shape.head_dim,
+                                    dtype=torch.bfloat16) for _ in "kv")
+                  for _ in range(shape.num_layers)]
+        lean = cpu_step.LeanForward(kernels.load(), model, caches)
+        assert (lean.dense_bytes > 0) == copies
+        ids, pos = torch.tensor(tokens[:T]), torch.arange(T)
+        attn = AttentionMetadata.one_sequence(T, kernels.load())
+        with torch.inference_mode():
+            hidden = model(ids, pos, attn, caches) if python else \
+                lean(model.embed(ids), pos, attn)
+            return hidden, lean.logits(hidden)
+
+    narrow = cpu_step.DENSE_ROWS
+    (h_copy, l_copy), (h_int, l_int) = run(narrow, True), run(narrow, False)
+    assert torch.equal(h_copy, h_int) and torch.equal(l_copy, l_int)
+
+    wide = 3 * cpu_step.DENSE_ROWS
+    (h_copy, l_copy), (h_int, l_int) = run(wide, True), run(wide, False)
+    h_py, _ = run(wide, False, python=True)
+    l_py = model.compute_logits(h_py).float()
+    err = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    assert not torch.equal(h_copy, h_int)
+    assert err(h_copy, h_py) < 0.75 * err(h_int, h_py), (err(h_copy, h_py), err(h_int, h_py))
+    assert err(l_copy, l_py) < err(l_int, l_py)
+
+
 def test_gemma_keeps_the_python_path():
     from tierserve.model.shapes import preset
     shape = preset("gemma3-270m")

@@ -177,6 +177,7 @@ def cache_path(engine) -> Path:
         cpu_model(), torch.get_num_threads(), torch.__version__, platform.machine(),
         hashlib.sha256(kernels.source().encode()).hexdigest()[:16],
         engine.runner.lean is not None, kernels.load() is not None,
+        bool(engine.runner.lean and engine.runner.lean.dense_bytes),   # AMX copies
         str(source), size, mc.dtype, mc.quantization, mc.device, mc.load_format,
         cc.block_size, cc.kv_cache_dtype, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,
         sc.policy, sc.reserved_priority_seqs, sc.reserved_priority_blocks,

@@ -17,8 +17,9 @@ each layer is four linear calls and four fused loops, driven from C++:
 
 The linears are the same ones the Python model holds: oneDNN's packed bfloat16
 (cpu_linear.py), a dense matmul, cpu_quant.py's kernels over quant.py's packed int4 and int8
-weights, or, for anything else (an int8 layer over its dequantize threshold), the Python
-module itself. The math matches the Python path's up to rounding: the fused loops compute
+weights (on a CPU with AMX, above DENSE_ROWS rows, a bfloat16 copy of those weights that
+oneDNN runs on AMX tiles: `dense_copies`), or, for anything else (an int8 layer over its
+dequantize threshold), the Python module itself. The math matches the Python path's up to rounding: the fused loops compute
 in float32 and round once, where the torch ops round after each operator; and the 4-bit
 kernel rounds its inputs to int8 per group of 32, as llama.cpp does for its 4-bit formats
 (measured against float32 in docs/benchmarks.md).
@@ -29,10 +30,11 @@ server's event loop keeps answering while the engine thread computes.
 Llama-shaped models only: no q/k norms, no output norms, no sliding window, SiLU, the
 standard attention scale (Gemma 3 keeps the Python path). Compiled with the decode kernel
 as one extension (model/kernels.py), after the 4- and 8-bit kernels (cpu_quant.py). About
-550 lines because the C++ source is one string with the extension's bindings (and the
+630 lines because the C++ source is one string with the extension's bindings (and the
 greedy argmax the sampler takes from it, `argmax_rows`) at its end, and the helpers that
 build the KV caches (bf16 or int8, `new_kv_caches`) and decode teacher-forced for quality
-checks (`decode_logits`) sit beside the step they feed.
+checks (`decode_logits`), and choose its AMX copies (`dense_copies`), sit beside the step
+they feed.
 """
 
 import torch
@@ -60,9 +62,12 @@ struct LeanLinear {
                                        // here, int8 by the module) and run a dense matmul
   py::object module;
   at::Tensor vnni;                     // the head's int8 weight in pack_int8_vnni's packing
+  at::Tensor dense;                    // a kernel kind's weight in bfloat16, packed by
+  int64_t dense_rows = 0;              // oneDNN: run above dense_rows (AMX; DENSE_ROWS)
 
   at::Tensor operator()(const at::Tensor& x) const {
     const int64_t rows = x.size(0);
+    if (dense.defined() && rows > dense_rows) return onednn_linear(x, dense, bias);
     at::Tensor y;
     const bool blocks = kind == INT4 && aux.size(1) % 64 == 0;   // whole blocks of 64 rows
     if (vnni.defined()) {
@@ -83,20 +88,24 @@ struct LeanLinear {
       if (bias.has_value()) y.add_(*bias);
       return y;
     }
-    if (kind == ONEDNN) {
-      static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
-          "mkldnn::_linear_pointwise", "");
-      torch::jit::Stack stack;
-      stack.emplace_back(x);
-      stack.emplace_back(w);
-      stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
-      stack.emplace_back(std::string("none"));
-      stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-      stack.emplace_back(std::string(""));
-      op.callBoxed(&stack);
-      return stack[0].toTensor();
-    }
+    if (kind == ONEDNN) return onednn_linear(x, w, bias);
     return at::linear(x, w, bias);            // DENSE
+  }
+
+  // x W^T + bias with W packed by torch.ops.mkldnn._reorder_linear_weight.
+  static at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed,
+                                  const std::optional<at::Tensor>& bias) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+        "mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack;
+    stack.emplace_back(x);
+    stack.emplace_back(packed);
+    stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+    stack.emplace_back(std::string(""));
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
   }
 };
 
@@ -209,6 +218,14 @@ struct LeanModel {
   void add_linear(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
                   int64_t group, int64_t max_rows, py::object module) {
     linears.push_back({kind, w, aux, bias, group, max_rows, module, at::Tensor()});
+  }
+
+  // Layer `index` (add_linear's order; -1: the head) also runs `packed`, its weight in
+  // bfloat16 packed by oneDNN, for inputs of more than `rows` rows.
+  void set_dense(int64_t index, at::Tensor packed, int64_t rows) {
+    LeanLinear& l = index < 0 ? *head : linears.at(index);
+    l.dense = packed;
+    l.dense_rows = rows;
   }
 
   std::optional<LeanLinear> head;        // lm_head: logits = head(final normed hidden)
@@ -435,6 +452,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<at::Tensor>>())
       .def("add_linear", &LeanModel::add_linear)
       .def("set_head", &LeanModel::set_head)
+      .def("set_dense", &LeanModel::set_dense)
       .def("logits", &LeanModel::logits)
       .def("forward", &LeanModel::forward)
       .def_readwrite("group_chunks", &LeanModel::group_chunks);
@@ -461,14 +479,24 @@ class LeanForward:
             [c[0] for c in kv_caches], [c[1] for c in kv_caches],
             [c[2] for c in kv_caches if len(c) == 4], [c[3] for c in kv_caches if len(c) == 4])
         rounded = False  # does any body layer round x to int8 (the 4-bit kernel)?
-        for layer in model.layers:
-            for linear in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
-                spec = _linear_spec(linear)
-                rounded = rounded or spec[0] == 2
-                self.impl.add_linear(*spec)
+        linears = [linear for layer in model.layers
+                   for linear in (layer.attn.qkv_proj, layer.attn.o_proj,
+                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        for linear in linears:
+            spec = _linear_spec(linear)
+            rounded = rounded or spec[0] == 2
+            self.impl.add_linear(*spec)
         self.impl.set_head(*_linear_spec(model.lm_head), rounded)
         self.rope = model.rope
+        self.dense_bytes = 0
+        """Bytes of the bfloat16 copies kept for wide inputs (`dense_copies`); 0: none."""
+        copies = dense_copies(linears + [model.lm_head])
+        if copies is not None:
+            for index, (linear, packed) in enumerate(zip(linears + [model.lm_head], copies)):
+                if packed is not None:
+                    self.impl.set_dense(index if index < len(linears) else -1, packed,
+                                        DENSE_ROWS)
+                    self.dense_bytes += linear.in_features * linear.out_features * 2
 
     def __call__(self, h: Tensor, positions: Tensor, attn) -> Tensor:
         chunks = attn.prefills
@@ -481,6 +509,42 @@ class LeanForward:
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden: [S, hidden] -> float32 logits [S, vocab] (the model's compute_logits)."""
         return self.impl.logits(hidden).float()
+
+
+DENSE_ROWS = 32
+"""Rows of x above which, on a CPU with AMX, a 4- or 8-bit layer of the lean step runs a
+bfloat16 copy of its weight packed by oneDNN (AMX tiles) instead of its integer kernel
+(AVX-512 VNNI). Measured on SmolLM2-135M's 120 4-bit layers, 2-vCPU Intel Xeon (family 6
+model 167, AMX), integer kernel against copy: 16.3 against 16.3 ms at 32 rows, 27.6
+against 19.1 at 64, 49.7 against 27.8 at 128, 186 against 85 at 512; its 49152 x 576 int8
+head 2.9 against 2.7 ms at 32 rows, 5.3 against 2.8 at 64 (docs/benchmarks.md). At one row
+the copy's bytes cost 3x (13.5 against 4.5 ms at 4 rows): decode steps of few sequences
+keep the integer kernels."""
+DENSE_SHARE = 0.1
+"""The most of the machine's memory the copies may take; a larger model keeps its integer
+kernels at every width (SmolLM2-135M's copies: 270 MB)."""
+
+
+def dense_copies(linears: list) -> list | None:
+    """Per layer, its weight in bfloat16 packed by oneDNN, or None for a layer that keeps
+    its own kernel at every width; None where no copies are kept: no AMX, activations not
+    in bfloat16, `TIERSERVE_NO_DENSE_COPY=1`, or the copies over DENSE_SHARE of memory."""
+    import os
+
+    from tierserve.model.cpu_linear import packs_bf16
+    from tierserve.model.quant import QuantLinear
+
+    wanted = [isinstance(m, QuantLinear) and m.readable and m.scales.dtype == torch.bfloat16
+              for m in linears]
+    if not any(wanted) or os.environ.get("TIERSERVE_NO_DENSE_COPY") or not packs_bf16() \
+            or not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None
+    total = sum(m.in_features * m.out_features * 2 for m, w in zip(linears, wanted) if w)
+    if total > DENSE_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        return None
+    with torch.inference_mode():
+        return [torch.ops.mkldnn._reorder_linear_weight(m.dequantize().contiguous(), 16)
+                if w else None for m, w in zip(linears, wanted)]
 
 
 def int8_kv_refusal(shape: ModelShape, device: str, kernel) -> str | None:
