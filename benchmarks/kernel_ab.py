@@ -19,10 +19,14 @@ decode attention of every layer at `--streams` sequences of `--context` tokens, 
 of each sequence scattered over the cache as after hours of traffic, and between layers a
 read of as many other bytes as a layer's weights, a different slice for each layer (what
 a step streams between two attentions, so the caches are read cold, as in a step).
+The lean step's AMX copies (model/cpu_step.py, DENSE_ROWS) are off here, so that both
+versions run their own kernels at any width (and an older version, which has no copies,
+can be built at all).
 """
 
 import argparse
 import hashlib
+import os
 import statistics
 import subprocess
 import sys
@@ -165,6 +169,7 @@ def attention(versions: dict, engine, args, cpu: str) -> int:
 
 
 def main(argv=None) -> int:
+    os.environ["TIERSERVE_NO_DENSE_COPY"] = "1"    # see the docstring
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rev", default="HEAD")
     p.add_argument("--streams", type=int, default=1)

@@ -7,18 +7,20 @@ agreement of next-token distributions, teacher-forced over the varied text below
 One line per format. The reference is the checkpoint in float32 (for the default model,
 whose linear weights are Q4_1 and embeddings Q8_0, that is the file's exact values: a
 format is judged by what it adds to the file's own error). Each document is one sequence
-from position 0, cut into pieces of `--chunk` tokens; quantized layers run their kernels
-at every size, as a decode does (the dequantizing path of long prefills is the same
-weights with one more bfloat16 rounding). With `--lean` the lean step's own 4- and 8-bit
-kernels run where a piece has at most 96 tokens (`--chunk 96`: what decode steps compute,
-inputs rounded to int8 per 32 for the 4-bit layers); longer pieces take its dequantizing
-path (on a CPU with AMX, pieces over 32 tokens take its bfloat16 copies: cpu_step.DENSE_ROWS;
-`TIERSERVE_NO_DENSE_COPY=1` keeps the kernels). `--lean` runs each of those twice: the prompt's attention by torch's SDPA, and by the
-paged kernel with each position a query over its own context (", paged prefill": what the
-engine's lean step computes, except over an int8 KV cache). With `--decode`, bf16 and
-gguf also run as the engine decodes, one token per lean step through the paged decode
-kernel, with the KV cache in the model's dtype and in int8 (`--kv-cache-dtype int8`): the
-two differ only in the cache.
+from position 0, cut into pieces of `--chunk` tokens; quantized layers run their kernels at
+every size, as a decode does (the dequantizing path of long prefills is the same weights
+with one more bfloat16 rounding). With `--lean` the lean step computes each piece as the
+engine computes a prompt chunk of that length: its own 4- and 8-bit kernels, inputs rounded
+to int8 per group of 32 for the 4-bit layers (without AVX-512 VNNI, pieces over 96 tokens
+dequantize instead); on a CPU with AMX, pieces over 32 tokens take its bfloat16 copies
+(cpu_step.DENSE_ROWS): there `--chunk 32`, or `TIERSERVE_NO_DENSE_COPY=1`, measures what
+decode steps of up to 32 sequences compute. Every row of a piece goes through the head, as
+no engine step does (it sends only the rows it samples). `--lean` runs each of those twice:
+the prompt's attention by torch's SDPA, and by the paged kernel with each position a query
+over its own context (", paged prefill": what the engine's lean step computes, except over
+an int8 KV cache). With `--decode`, bf16 and gguf also run as the engine decodes, one token
+per lean step through the paged decode kernel, with the KV cache in the model's dtype and
+in int8 (`--kv-cache-dtype int8`): the two differ only in the cache.
 
 Formats: bf16 (--quantization none), int8, gguf, each with the lm_head quantized (the
 default) and kept bfloat16; q4_0 (the weights requantized to Q4_0 blocks by the `gguf`

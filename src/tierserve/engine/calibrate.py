@@ -44,19 +44,27 @@ from tierserve.sampling_params import SamplingParams
 from tierserve.tiers import Tier
 
 
-def calibration_batches(max_num_seqs: int, max_len: int) -> list[tuple[int, int, int]]:
+def calibration_batches(max_num_seqs: int, max_len: int, wide: bool = False
+                        ) -> list[tuple[int, int, int]]:
     """(num_requests, prompt_len, full_steps) per batch, clipped to the engine's limits:
     `full_steps` steps decode all `num_requests` together after the last prompt is in (the
-    first ones decode beside the later prompts' chunks before that); 0: a lone prefill."""
+    first ones decode beside the later prompts' chunks before that); 0: a lone prefill.
+    `wide`: the lean step runs steps over DENSE_ROWS rows on other weights (its AMX
+    copies), so the short context also decodes WIDE_DECODE_BATCH sequences at once."""
     short, long = min(32, max_len - 64), min(384, max_len - 64)
     batches = [(1, min(n, max_len - 2), 0) for n in (32, 128, 384)]  # lone prefills
-    for ctx, sizes in ((short, DECODE_BATCHES), (long, LONG_DECODE_BATCHES)):
+    short_sizes = DECODE_BATCHES + ((WIDE_DECODE_BATCH,) if wide else ())
+    for ctx, sizes in ((short, short_sizes), (long, LONG_DECODE_BATCHES)):
         for b in sorted({min(b, max_num_seqs) for b in sizes}):  # decodes: size x context
             batches.append((b, ctx, SMALL_DECODE_STEPS if b <= 4 else DECODE_STEPS))
     return batches
 
 
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
+WIDE_DECODE_BATCH = 64
+"""Where the lean step's AMX copies take steps over 32 rows (model/cpu_step.py), decodes of
+33 or more sequences cost less per sequence than the grid's 32 and below: measured, not
+extrapolated (a 64-sequence decode step 53.6 ms on the kernels, 41.5 on the copies)."""
 LONG_DECODE_BATCHES = (1, 4, 8, 32)
 """At the long context each batch's prompts cost seconds to prefill (16 x 384 tokens:
 about 5 s on a 2-core Zen 4), so fewer sizes there; the KV term is set by its ends."""
@@ -103,7 +111,8 @@ def calibrate(engine, repeats: int = 1, seed: int = 0, whole_step: bool = False,
         _run_batch(engine, 2, 64, 2, rng, vocab, params, collector, [], False)  # warm-up
         for _ in range(repeats):
             for num, prompt_len, full_steps in calibration_batches(
-                    engine.scheduler.max_seqs(Tier.DEFAULT), engine.max_model_len):
+                    engine.scheduler.max_seqs(Tier.DEFAULT), engine.max_model_len,
+                    wide=_dense_copies(engine)):
                 _run_batch(engine, num, prompt_len, full_steps, rng, vocab, params,
                            collector, samples, whole_step)
     finally:
@@ -177,7 +186,7 @@ def cache_path(engine) -> Path:
         cpu_model(), torch.get_num_threads(), torch.__version__, platform.machine(),
         hashlib.sha256(kernels.source().encode()).hexdigest()[:16],
         engine.runner.lean is not None, kernels.load() is not None,
-        bool(engine.runner.lean and engine.runner.lean.dense_bytes),   # AMX copies
+        _dense_copies(engine),
         str(source), size, mc.dtype, mc.quantization, mc.device, mc.load_format,
         cc.block_size, cc.kv_cache_dtype, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len,
         sc.policy, sc.reserved_priority_seqs, sc.reserved_priority_blocks,
@@ -187,12 +196,19 @@ def cache_path(engine) -> Path:
     return root / "calibration" / f"{name}.json"
 
 
-CACHE_VERSION = 9
+CACHE_VERSION = 10
 """Bump when the grid, the fit or what the kernels are asked to do changes (3: prefill
 chunks on the paged kernel; 4: back on torch's attention; 5: a prefill chunk's own cost
 and more decode steps; 6: sampled as a default request, more small decode steps; 7: float32
 weights packed by oneDNN on an AVX2-only CPU; 8: full decode steps counted; 9: prefill
-chunks on the paged kernel again): older files are then not read."""
+chunks on the paged kernel again; 10: AMX copies for wide steps, and 64-sequence decodes
+in the grid where they are on): older files are then not read."""
+
+
+def _dense_copies(engine) -> bool:
+    """Whether the engine's lean step holds AMX copies for wide steps (model/cpu_step.py)."""
+    lean = getattr(engine.runner, "lean", None)
+    return bool(lean is not None and lean.dense_bytes)
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:

@@ -127,8 +127,11 @@ class LLMEngine:
             from tierserve.model.cpu_step import DENSE_ROWS
             say(f"AMX here: the 4/8-bit layers are also held in bfloat16 "
                 f"({lean.dense_bytes / 1e6:.0f} MB) for steps over {DENSE_ROWS} rows (prompt "
-                "chunks, large batches), 1.4-2.2x their integer kernels' speed there on a "
-                "2-vCPU Xeon; TIERSERVE_NO_DENSE_COPY=1 keeps the integer kernels")
+                "chunks, large batches): level with their integer kernels at 32 rows, "
+                "1.4-2.2x their speed from 64 on a 2-vCPU Xeon; TIERSERVE_NO_DENSE_COPY=1 "
+                "keeps the integer kernels")
+        elif lean is not None and lean.dense_note:
+            say(lean.dense_note)
         if cc.kv_cache_dtype == "int8":
             import torch
             fast = self.runner.decode_kernel.kv_int8_vnni and self.runner.dtype == torch.bfloat16

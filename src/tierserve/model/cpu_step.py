@@ -19,10 +19,11 @@ The linears are the same ones the Python model holds: oneDNN's packed bfloat16
 (cpu_linear.py), a dense matmul, cpu_quant.py's kernels over quant.py's packed int4 and int8
 weights (on a CPU with AMX, above DENSE_ROWS rows, a bfloat16 copy of those weights that
 oneDNN runs on AMX tiles: `dense_copies`), or, for anything else (an int8 layer over its
-dequantize threshold), the Python module itself. The math matches the Python path's up to rounding: the fused loops compute
-in float32 and round once, where the torch ops round after each operator; and the 4-bit
-kernel rounds its inputs to int8 per group of 32, as llama.cpp does for its 4-bit formats
-(measured against float32 in docs/benchmarks.md).
+dequantize threshold), the Python module itself. The math matches the Python path's up
+to rounding: the fused loops compute in float32 and round once, where the torch ops round
+after each operator; and the 4-bit kernel rounds its inputs to int8 per group of 32, as
+llama.cpp does for its 4-bit formats (measured against float32 in docs/benchmarks.md; the
+AMX copies do not, so a step's width decides which rounding a row gets).
 
 The GIL is released for the step (taken back only for a Python-module linear), so the
 server's event loop keeps answering while the engine thread computes.
@@ -223,6 +224,7 @@ struct LeanModel {
   // Layer `index` (add_linear's order; -1: the head) also runs `packed`, its weight in
   // bfloat16 packed by oneDNN, for inputs of more than `rows` rows.
   void set_dense(int64_t index, at::Tensor packed, int64_t rows) {
+    TORCH_CHECK(index >= 0 || head.has_value(), "set the head before its copy");
     LeanLinear& l = index < 0 ? *head : linears.at(index);
     l.dense = packed;
     l.dense_rows = rows;
@@ -490,7 +492,8 @@ class LeanForward:
         self.rope = model.rope
         self.dense_bytes = 0
         """Bytes of the bfloat16 copies kept for wide inputs (`dense_copies`); 0: none."""
-        copies = dense_copies(linears + [model.lm_head])
+        copies, self.dense_note = dense_copies(linears + [model.lm_head])
+        """Why a CPU with AMX holds no copies (too large for its memory); '' otherwise."""
         if copies is not None:
             for index, (linear, packed) in enumerate(zip(linears + [model.lm_head], copies)):
                 if packed is not None:
@@ -515,36 +518,56 @@ DENSE_ROWS = 32
 """Rows of x above which, on a CPU with AMX, a 4- or 8-bit layer of the lean step runs a
 bfloat16 copy of its weight packed by oneDNN (AMX tiles) instead of its integer kernel
 (AVX-512 VNNI). Measured on SmolLM2-135M's 120 4-bit layers, 2-vCPU Intel Xeon (family 6
-model 167, AMX), integer kernel against copy: 16.3 against 16.3 ms at 32 rows, 27.6
-against 19.1 at 64, 49.7 against 27.8 at 128, 186 against 85 at 512; its 49152 x 576 int8
-head 2.9 against 2.7 ms at 32 rows, 5.3 against 2.8 at 64 (docs/benchmarks.md). At one row
-the copy's bytes cost 3x (13.5 against 4.5 ms at 4 rows): decode steps of few sequences
-keep the integer kernels."""
+model 167, AMX), integer kernel against copy: 16.3 against 16.3 ms at 32 rows, 22.2
+against 17.4 at 48, 27.6 against 19.1 at 64, 49.7 against 27.8 at 128, 186 against 85 at
+512; its 49152 x 576 int8 head 2.9 against 2.7 ms at 32 rows, 5.3 against 2.8 at 64
+(docs/benchmarks.md). At a few rows the copy's bytes cost 3x (13.5 against 4.5 ms at 4
+rows): decode steps of up to 32 sequences keep the integer kernels."""
 DENSE_SHARE = 0.1
-"""The most of the machine's memory the copies may take; a larger model keeps its integer
-kernels at every width (SmolLM2-135M's copies: 270 MB)."""
+"""The most of the machine's memory (or of its cgroup's limit) the copies may take; past
+it a model keeps its integer kernels at every width (SmolLM2-135M's copies: 269 MB; an 8B
+model's, about 16 GB, are refused on a 24 GiB machine)."""
 
 
-def dense_copies(linears: list) -> list | None:
-    """Per layer, its weight in bfloat16 packed by oneDNN, or None for a layer that keeps
-    its own kernel at every width; None where no copies are kept: no AMX, activations not
-    in bfloat16, `TIERSERVE_NO_DENSE_COPY=1`, or the copies over DENSE_SHARE of memory."""
+def dense_copies(linears: list) -> tuple[list | None, str]:
+    """(per layer its weight in bfloat16 packed by oneDNN, or None for a layer that keeps
+    its kernel at every width; why none are kept where they would help). The list is None
+    where no copies are kept: no AMX, activations not in bfloat16, no integer-kernel layer,
+    `TIERSERVE_NO_DENSE_COPY` set, or the copies over DENSE_SHARE of memory (then said)."""
     import os
 
-    from tierserve.model.cpu_linear import packs_bf16
+    from tierserve.model.cpu_linear import _BATCH_HINT, packs_bf16
     from tierserve.model.quant import QuantLinear
 
-    wanted = [isinstance(m, QuantLinear) and m.readable and m.scales.dtype == torch.bfloat16
-              for m in linears]
+    wanted = [isinstance(m, QuantLinear) and m.use_kernel and m.readable
+              and m.scales.dtype == torch.bfloat16 for m in linears]  # kinds INT8 and INT4
     if not any(wanted) or os.environ.get("TIERSERVE_NO_DENSE_COPY") or not packs_bf16() \
             or not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
-        return None
+        return None, ""
     total = sum(m.in_features * m.out_features * 2 for m, w in zip(linears, wanted) if w)
-    if total > DENSE_SHARE * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
-        return None
+    if total > DENSE_SHARE * _memory_bytes():
+        return None, (f"AMX here, but the 4/8-bit layers' bfloat16 copies ({total / 1e9:.1f} "
+                      f"GB) would take over {DENSE_SHARE:.0%} of memory: wide steps keep the "
+                      "integer kernels")
     with torch.inference_mode():
-        return [torch.ops.mkldnn._reorder_linear_weight(m.dequantize().contiguous(), 16)
-                if w else None for m, w in zip(linears, wanted)]
+        return [torch.ops.mkldnn._reorder_linear_weight(m.dequantize().contiguous(),
+                                                        _BATCH_HINT)
+                if w else None for m, w in zip(linears, wanted)], ""
+
+
+def _memory_bytes() -> int:
+    """This machine's memory, or its cgroup's limit (cgroup v2) where that is lower."""
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
 
 
 def int8_kv_refusal(shape: ModelShape, device: str, kernel) -> str | None:
