@@ -207,8 +207,7 @@ in the grid where they are on): older files are then not read."""
 
 def _dense_copies(engine) -> bool:
     """Whether the engine's lean step holds AMX copies for wide steps (model/cpu_step.py)."""
-    lean = getattr(engine.runner, "lean", None)
-    return bool(lean is not None and lean.dense_bytes)
+    return bool(engine.runner.lean is not None and engine.runner.lean.dense_bytes)
 
 
 def calibrate_cached(engine, say) -> StepTimeModel:

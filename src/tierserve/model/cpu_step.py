@@ -31,7 +31,7 @@ server's event loop keeps answering while the engine thread computes.
 Llama-shaped models only: no q/k norms, no output norms, no sliding window, SiLU, the
 standard attention scale (Gemma 3 keeps the Python path). Compiled with the decode kernel
 as one extension (model/kernels.py), after the 4- and 8-bit kernels (cpu_quant.py). About
-630 lines because the C++ source is one string with the extension's bindings (and the
+650 lines because the C++ source is one string with the extension's bindings (and the
 greedy argmax the sampler takes from it, `argmax_rows`) at its end, and the helpers that
 build the KV caches (bf16 or int8, `new_kv_caches`) and decode teacher-forced for quality
 checks (`decode_logits`), and choose its AMX copies (`dense_copies`), sit beside the step
@@ -492,14 +492,13 @@ class LeanForward:
         self.rope = model.rope
         self.dense_bytes = 0
         """Bytes of the bfloat16 copies kept for wide inputs (`dense_copies`); 0: none."""
-        copies, self.dense_note = dense_copies(linears + [model.lm_head])
+        layers = linears + [model.lm_head]          # set_dense's indices; -1: the head
+        copies, self.dense_note = dense_copies(layers)
         """Why a CPU with AMX holds no copies (too large for its memory); '' otherwise."""
-        if copies is not None:
-            for index, (linear, packed) in enumerate(zip(linears + [model.lm_head], copies)):
-                if packed is not None:
-                    self.impl.set_dense(index if index < len(linears) else -1, packed,
-                                        DENSE_ROWS)
-                    self.dense_bytes += linear.in_features * linear.out_features * 2
+        for index, (linear, packed) in enumerate(zip(layers, copies or ())):
+            if packed is not None:
+                self.impl.set_dense(index if index < len(linears) else -1, packed, DENSE_ROWS)
+                self.dense_bytes += _copy_bytes(linear)
 
     def __call__(self, h: Tensor, positions: Tensor, attn) -> Tensor:
         chunks = attn.prefills
@@ -544,7 +543,7 @@ def dense_copies(linears: list) -> tuple[list | None, str]:
     if not any(wanted) or os.environ.get("TIERSERVE_NO_DENSE_COPY") or not packs_bf16() \
             or not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return None, ""
-    total = sum(m.in_features * m.out_features * 2 for m, w in zip(linears, wanted) if w)
+    total = sum(_copy_bytes(m) for m, w in zip(linears, wanted) if w)
     if total > DENSE_SHARE * _memory_bytes():
         return None, (f"AMX here, but the 4/8-bit layers' bfloat16 copies ({total / 1e9:.1f} "
                       f"GB) would take over {DENSE_SHARE:.0%} of memory: wide steps keep the "
@@ -553,6 +552,11 @@ def dense_copies(linears: list) -> tuple[list | None, str]:
         return [torch.ops.mkldnn._reorder_linear_weight(m.dequantize().contiguous(),
                                                         _BATCH_HINT)
                 if w else None for m, w in zip(linears, wanted)], ""
+
+
+def _copy_bytes(linear) -> int:
+    """Bytes of a layer's bfloat16 copy."""
+    return linear.in_features * linear.out_features * 2
 
 
 def _memory_bytes() -> int:
