@@ -1,5 +1,6 @@
-"""Fleet mode's gateway logic without HTTP: per-tier queues, the release rule, routing,
-the adaptive limit, and the replica cost estimate (property-tested)."""
+"""Fleet mode's gateway logic without replicas: per-tier queues, the release rule, routing,
+the adaptive limit, the replica cost estimate (property-tested), and the health check
+against a bare HTTP endpoint."""
 
 import random
 
@@ -273,3 +274,74 @@ def test_overdue_flex_requests_are_refused_wherever_they_sit_in_fair_order():
     _, refused = g.release(6.0)
     assert [p.request_id for p in refused] == ["old"]
     assert [p.request_id for p in g.queues[Tier.FLEX]] == ["b", "a2"]
+
+
+def test_a_replica_answering_its_health_check_late_stays_until_three_in_a_row():
+    """Under a full batch a replica may answer /health after the check's timeout and still
+    be serving: two late answers in a row keep it in the rotation, a third takes it out;
+    a prompt answer brings it back, and a refused connection takes it out at once."""
+    import asyncio
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tierserve.router.fleet import SLOW_CHECKS, FleetBackend
+    from tierserve.router.remote import ReplicaSpec
+    state = {"late": 0, "forever": False, "answers": 0}
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if state["forever"] or state["late"]:
+                state["late"] = max(0, state["late"] - 1)
+                time.sleep(0.5)  # past the check's 0.2 s
+            state["answers"] += 1
+            try:
+                self.send_response(200)
+                self.end_headers()
+            except OSError:
+                pass  # the gateway gave up on this one
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def run():
+        backend = FleetBackend([ReplicaSpec(url, ["smol"], "openai", name="a")], "smol", MODEL,
+                               flow=FlowConfig(priority_ttft_s=1.0), health_interval_s=0.2)
+        [replica] = backend.gateway.replicas
+
+        async def until(cond, what, limit_s=10.0):
+            end = time.monotonic() + limit_s
+            while not cond():
+                assert time.monotonic() < end, what
+                await asyncio.sleep(0.02)
+
+        try:
+            await backend.probe()
+            assert replica.healthy
+            start = state["answers"]
+            state["late"] = SLOW_CHECKS - 1
+            seen = []
+            while state["answers"] < start + SLOW_CHECKS + 1:  # the late ones, then one prompt
+                seen.append(replica.healthy)
+                await asyncio.sleep(0.02)
+            assert all(seen), "two late answers took the replica out"
+            state["forever"] = True
+            await until(lambda: not replica.healthy, "three late answers did not take it out")
+            state["forever"] = False
+            await until(lambda: replica.healthy, "a prompt answer did not bring it back")
+            server.shutdown()
+            server.server_close()
+            t = time.monotonic()
+            await until(lambda: not replica.healthy, "a refused connection left it in")
+            assert time.monotonic() - t < 1.0  # the next check, not three
+        finally:
+            await backend.stop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.server_close()

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -59,6 +60,8 @@ KV_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
 WAITING_METRICS = ("vllm:num_requests_waiting",)
 MAX_BATCH_ATTEMPTS = 3
 """A batch line whose replica fails is run again, up to this many times in all."""
+SLOW_CHECKS = 3
+"""Health checks answered too late, in a row, that take a replica out of the rotation."""
 CHARS_PER_TOKEN = 4
 """Prompt length estimate for text when the gateway has no tokenizer."""
 
@@ -113,6 +116,9 @@ class FleetBackend:
         self.tokenizer = tokenizer
         self.clock = clock or Clock()
         self.health_interval_s = health_interval_s
+        self._slow = Counter({s.name: SLOW_CHECKS for s in specs})
+        """Health checks in a row that each replica answered too late (until its first
+        answer, as many as take it out: one that never answered gets no grace)."""
         self.gateway = Gateway([ReplicaState(s.name, s.max_num_seqs, protects=bool(s.plugin))
                                 for s in specs], flow or FlowConfig())
         self._flow_started: FlowConfig | None = None
@@ -515,6 +521,13 @@ class FleetBackend:
                 self._scrape(replica, (await self._client.get(
                     spec.url + "/metrics", headers=headers,
                     timeout=self.health_interval_s)).text)
+            self._slow[replica.name] = 0
+        except httpx.TimeoutException:
+            # a replica busy with a full batch can answer late and still be serving: it
+            # leaves the rotation after SLOW_CHECKS late answers in a row (Kubernetes'
+            # failureThreshold), where a refused connection or a 503 takes it out at once
+            self._slow[replica.name] += 1
+            replica.healthy = was and self._slow[replica.name] < SLOW_CHECKS
         except httpx.HTTPError:
             replica.healthy = False
         if replica.healthy != was:
