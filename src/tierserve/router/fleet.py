@@ -1,7 +1,7 @@
 """Fleet mode: remote replicas as one backend, with the gateway's tiers, routing, health
 checks, retries and metering.
 
-About 620 lines, kept whole: the Backend methods, the dispatcher and the health loop share
+About 640 lines, kept whole: the Backend methods, the dispatcher and the health loop share
 one request table; a request's dispatch, retry, metering and single finish share its
 `_Request` record, and "finishes exactly once" is readable only in one place.
 
@@ -23,8 +23,10 @@ NOTE: one request's life
 
 NOTE: health
     Each replica's /health is polled every `health_interval_s`, and vLLM's /metrics (KV
-    use, waiting queue) scraped with it. A failed poll or a broken request takes the
-    replica out of the rotation; the next good poll brings it back.
+    use, waiting queue) scraped with it. A refused or failed poll, or a broken request,
+    takes the replica out of the rotation; a poll answered too late does only the
+    SLOW_CHECKS-th time in a row (a replica busy with a full batch answers late and still
+    serves). The next good poll brings it back.
 """
 
 import asyncio
