@@ -48,3 +48,107 @@ def test_an_unreachable_backend_and_engine_flags_are_refused(tmp_path):
     assert out.returncode == 1
     assert "--dtype describes an engine run here" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_step_log_keeps_steps_run_back_to_back_timed_from_the_one_before():
+    """Each record's time runs from the previous step's end (the server's turn between
+    steps is in it); a step after idle is not recorded; engines are kept apart."""
+    from tierserve.core.stats import SeqStepStats, StepStats
+    from tierserve.core.step_log import GAP_S, StepLog
+
+    def step(start, duration, engine="0", seqs=((1, 100),)):
+        return StepStats(0, start, duration, len(seqs), 0, len(seqs), 0, 0.0, 0,
+                         [SeqStepStats("r", n, c, n == 1) for n, c in seqs], engine=engine)
+    log = StepLog(keep=3)
+    log.on_step(step(10.0, 0.006))                       # the first: nothing before it
+    log.on_step(step(10.007, 0.006, seqs=((1, 101), (64, 64))))  # 1 ms after: recorded
+    log.on_step(step(10.013 + GAP_S * 2, 0.006))         # after idle: not recorded
+    log.on_step(step(10.0, 0.002, engine="fast"))         # another engine: its own clock
+    log.on_step(step(10.0025, 0.002, engine="fast"))
+    got = log.after(0)
+    assert [(r["engine"], r["seqs"]) for r in got] == [("0", [[1, 101], [64, 64]]),
+                                                        ("fast", [[1, 100]])]
+    assert got[0]["seconds"] == pytest.approx(0.007) and got[1]["seconds"] == pytest.approx(
+        0.0025)
+    assert log.after(got[0]["id"]) == got[1:]
+    for i in range(5):                                   # only the newest `keep` are kept
+        log.on_step(step(10.0045 + 0.002 * i, 0.002, engine="fast"))
+    assert [r["id"] for r in log.after(0)] == [5, 6, 7] and log.last_id == 7
+
+
+def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
+    """GET /tierserve/v1/steps gives a tierserve replica's steps run back to back; `calibrate
+    --backend URL --from-steps` fits them (the chunk term too, as prompt chunks ran beside
+    decodes) without sending anything; too few records, or a replica that keeps none, are
+    refused with what to do."""
+    import concurrent.futures
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from test_server import LiveServer
+    from tierserve.router.calibrate import MIN_STEP_RECORDS, calibrate_from_steps
+    from tierserve.server.settings import ServerSettings
+
+    srv = LiveServer(ServerSettings())
+    try:
+        with pytest.raises(ConfigError, match=f"fewer than {MIN_STEP_RECORDS}; send the replica"):
+            calibrate_from_steps(srv.url)
+
+        def one(i):
+            time.sleep(0.5 if i == 4 else 0)   # the last one's prompt beside the decodes
+            return httpx.post(srv.url + "/v1/completions", timeout=300, json={
+                "model": "smol", "prompt": [100 + i + j for j in range(40 + 60 * i)],
+                "max_tokens": 80, "ignore_eos": True, "temperature": 0})
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            assert all(r.status_code == 200 for r in pool.map(one, range(5)))
+        steps = httpx.get(srv.url + "/tierserve/v1/steps").json()
+        data = steps["data"]
+        assert len(data) >= MIN_STEP_RECORDS and steps["last_id"] == data[-1]["id"]
+        assert [r["id"] for r in data] == sorted(r["id"] for r in data)
+        assert all(r["seconds"] > 0 and r["seqs"] for r in data)
+        assert sum(n for r in data for n, _ in r["seqs"]) <= 5 * 80 + sum(40 + 60 * i
+                                                                         for i in range(5))
+        assert any(len(r["seqs"]) > 1 and max(n for n, _ in r["seqs"]) > 1 for r in data)
+        assert httpx.get(srv.url + "/tierserve/v1/steps",
+                         params={"after": steps["last_id"]}).json()["data"] == []
+        model, info = calibrate_from_steps(srv.url)
+        assert info["records"] == len(data) and info["kind"] == "tierserve"
+        # the last request's last tokens decode alone: the fit's lone decode is theirs,
+        # within a busy machine's spread
+        lone = sorted(r["seconds"] for r in data if r["seqs"] == [[1, r["seqs"][0][1]]])
+        assert model.predict_s([(1, 300)]) == pytest.approx(lone[len(lone) // 2], rel=0.5)
+        out = subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--backend",
+                              srv.url, "--from-steps", "--out", str(tmp_path / "s.json")],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert StepTimeModel.load(tmp_path / "s.json").predict_s([(1, 150)]) > 0
+        bad = subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--backend",
+                              srv.url, "--from-steps", "--repeats", "3"],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "--from-steps sends none" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+    finally:
+        srv.stop()
+
+    class Vllm(BaseHTTPRequestHandler):   # a replica that keeps no step records
+        def do_GET(self):
+            found = self.path == "/v1/models"
+            body = b'{"data": [{"id": "m", "owned_by": "vllm", "max_model_len": 512}]}'
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            self.wfile.write(body if found else b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    plain = ThreadingHTTPServer(("127.0.0.1", 0), Vllm)
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match="keeps no step records .* answered 404"):
+            calibrate_from_steps(f"http://127.0.0.1:{plain.server_address[1]}")
+    finally:
+        plain.shutdown()
+        plain.server_close()

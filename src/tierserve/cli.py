@@ -76,6 +76,9 @@ def cmd_bill(args) -> int:
 def cmd_calibrate(args) -> int:
     if args.backend:
         return _calibrate_backend(args)
+    if args.from_steps:
+        raise TierserveError("--from-steps reads a running replica's step records: give its "
+                             "--backend URL")
     from tierserve.engine.calibrate import calibrate
     from tierserve.engine.llm_engine import LLMEngine
 
@@ -88,7 +91,8 @@ def cmd_calibrate(args) -> int:
         print(f"a lone decode step {model.predict_s([(1, 256)]) * 1e3:.1f} ms; "
               f"`tierserve serve` with these engine flags reads {cache_path(engine)}")
         return 0
-    model = calibrate(engine, repeats=args.repeats, whole_step=args.whole_step)
+    model = calibrate(engine, repeats=2 if args.repeats is None else args.repeats,
+                      whole_step=args.whole_step)
     model.save(args.out, model=args.model or "SmolLM2-135M-Instruct", dtype=args.dtype,
                device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
     print(f"{model.summary()}; wrote {args.out}")
@@ -99,19 +103,29 @@ def _calibrate_backend(args) -> int:
     """`calibrate --backend URL`: a running replica timed through its API (no engine
     here, so engine flags would mean nothing: refused)."""
     from tierserve.engine_args import explicit
-    from tierserve.router.calibrate import calibrate_backend
+    from tierserve.router.calibrate import calibrate_backend, calibrate_from_steps
 
     given = sorted(explicit(args) - {"model"})
     if given or args.for_serve or args.whole_step:
         bad = given[0].replace("_", "-") if given else \
             ("for-serve" if args.for_serve else "whole-step")
         raise TierserveError(f"--{bad} describes an engine run here; with --backend the "
-                             "replica is timed as it runs (only --model, --out, --repeats)")
+                             "replica is timed as it runs (only --model, --out, --repeats, "
+                             "--from-steps)")
+    if args.from_steps and args.repeats is not None:
+        raise TierserveError("--repeats runs the timing grid again; --from-steps sends none "
+                             "(it fits the steps the replica recorded)")
     say = (lambda line: print(line, file=sys.stderr))
-    model, info = calibrate_backend(args.backend, args.model, args.repeats, say)
+    if args.from_steps:
+        model, info = calibrate_from_steps(args.backend, args.model, say)
+        source = "the replica's own step records (tierserve calibrate --backend --from-steps)"
+    else:
+        model, info = calibrate_backend(args.backend, args.model,
+                                        2 if args.repeats is None else args.repeats, say)
+        source = "streamed timings (tierserve calibrate --backend)"
     model.save(args.out, backend=info["url"], model=info["model"], kind=info["kind"],
-               source="streamed timings (tierserve calibrate --backend)",
-               records=info["records"], median_error=round(info["median_error"], 4))
+               source=source, records=info["records"],
+               median_error=round(info["median_error"], 4))
     print(f"{model.summary()}; median error on its {info['records']} records "
           f"{info['median_error']:.1%}; wrote {args.out}")
     return 0
@@ -279,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "fitted step-time model (JSON)")
     cal.add_argument("--out", default="step_time.json", help="file to write "
                                                              "(default step_time.json)")
-    cal.add_argument("--repeats", type=int, default=2, help="runs of the calibration grid")
+    cal.add_argument("--repeats", type=int, default=None,
+                     help="runs of the calibration grid (default 2)")
     cal.add_argument("--for-serve", action="store_true",
                      help="fill the cache `tierserve serve` reads with the same engine flags "
                           "(~/.cache/tierserve; `make install` does this for the defaults) "
@@ -293,6 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "instead of an engine here: streamed prefills and decode batches, "
                           "fitted as a whole-step model for `tierserve sim`; --model names "
                           "the model to ask for (default: the replica's first)")
+    cal.add_argument("--from-steps", action="store_true",
+                     help="with --backend: send nothing, and fit the steps a tierserve "
+                          "replica recorded while it served its traffic (GET "
+                          "/tierserve/v1/steps; each step timed from the end of the one "
+                          "before, so the server's turn between steps is in it), prompt "
+                          "chunks beside decodes included")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

@@ -13,8 +13,14 @@ Fleets:
 The gateway is `tierserve serve --backend ...` with explicit priority targets (so the
 twin's gateway adapts to the same ones) in a process of its own.
 
-Each replica is timed through its API as the fleet reaches it: `tierserve calibrate
---backend URL` pointed at a gateway over that replica alone (what the simulator takes its
+Each replica's step-time profile (what the simulator takes its step durations from),
+with `--profile steps` (the default) for a tierserve fleet: the fleet serves another draw
+of the workload (another seed) through its gateway first, and each replica's model is
+fitted to the steps it recorded meanwhile (`tierserve calibrate --backend URL
+--from-steps`): its neighbour busy, the gateway relaying both, each step timed from the
+end of the one before. With `--profile grid` (and always for vLLM, which records no
+steps without tierserve's plugin) each replica is timed through its API as the fleet
+reaches it: `tierserve calibrate --backend URL` pointed at a gateway over that replica alone (what the simulator takes its
 step durations from; timed straight at the replica, the twin missed the relay and the
 gateway's share of the cores: TTFT 24-41% and TPOT 15-41% short). While a replica is
 calibrated, the others serve their share of the workload (rate / replicas, another
@@ -68,6 +74,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-seed", type=int, default=34)
     p.add_argument("--calibrate-repeats", type=int, default=1,
                    help="rounds of `tierserve calibrate --backend`'s grid per replica")
+    p.add_argument("--profile", choices=("steps", "grid"), default="steps",
+                   help="a tierserve replica's profile: its own step records while the "
+                        "fleet serves another draw of the workload (steps), or the timing "
+                        "grid through a gateway (grid); vLLM's is always the grid")
 
 
 def workload(rate: float, n: int, seed: int) -> list[dict]:
@@ -252,6 +262,19 @@ async def _load_until(proc, url: str, arrivals: list[dict], model: str) -> None:
             await asyncio.gather(*(one(a) for a in arrivals))
 
 
+def calibrate_from_steps(specs: list[dict], model: str, arrivals: list[dict],
+                         url: str) -> None:
+    """`arrivals` replayed through the fleet's gateway at `url`, then each replica's model
+    fitted to the steps it recorded (router/calibrate.py's calibrate_from_steps)."""
+    from tierserve.router import calibrate
+
+    for s in specs:   # only this replay's steps: the start-up's and earlier ones are left
+        s["after"] = httpx.get(s["url"] + "/tierserve/v1/steps").json()["last_id"]
+    asyncio.run(replay(url, arrivals, model))
+    for s in specs:
+        s["model"], _ = calibrate.calibrate_from_steps(s["url"], model, after=s["after"])
+
+
 def vllm_fleet(args) -> tuple[list[Proc], list[dict]]:
     p = Proc(["bash", "scripts/vllm_replica.sh", "serve", "{port}", "--max-num-seqs",
               str(args.max_num_seqs)])
@@ -272,12 +295,18 @@ def run(args) -> None:
         gw = None
         try:
             kind, model = ("tierserve", MODEL) if name == "tierserve" else ("vllm", VLLM_MODEL)
-            # the other replicas' share of the fleet's arrivals, as background
-            background = workload(args.rate / len(specs), args.requests, args.bench_seed + 1)
-            calibrate_through_gateway(specs, kind, model, flow_raw, background,
-                                      args.calibrate_repeats)
+            from_steps = name == "tierserve" and args.profile == "steps"
+            if not from_steps:   # the other replicas' share of the arrivals, as background
+                background = workload(args.rate / len(specs), args.requests,
+                                      args.bench_seed + 1)
+                calibrate_through_gateway(specs, kind, model, flow_raw, background,
+                                          args.calibrate_repeats)
             gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
                            "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
+            if from_steps:
+                calibrate_from_steps(specs, model,
+                                     workload(args.rate, args.requests, args.bench_seed + 2),
+                                     gw.url)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept
             rows, wall = asyncio.run(replay(gw.url, arrivals, model))
         finally:
@@ -291,7 +320,7 @@ def run(args) -> None:
                                       args.max_num_seqs,
                                       "tiered" if name == "tierserve" else "priority")
         report(name, real, figures(sim_rows, sim_wall), args,
-               f"failed={len(failed)}")
+               f"profile={'steps' if from_steps else 'grid'} failed={len(failed)}")
 
 
 def main(argv=None) -> int:

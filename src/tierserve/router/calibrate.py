@@ -18,6 +18,12 @@ NOTE: how
     What the client sees includes the replica's HTTP and detokenizing time, which is what
     a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
     runs it).
+
+    With `--from-steps` nothing is sent: a tierserve replica keeps its recent steps (GET
+    /tierserve/v1/steps, core/step_log.py), each timed from the end of the step before,
+    and the model is fitted to those, recorded while the replica served its own traffic
+    (the fleet's load, its neighbours busy). Its steps mix prompt chunks with decodes, so
+    the chunk term is fitted too; the grid's lone prefills cannot tell it apart.
 """
 
 import asyncio
@@ -189,6 +195,42 @@ def calibrate_backend(url: str, model: str | None = None, repeats: int = 2,
     # fleet twin's TTFTs came out 5-10x long on a 2-core Zen 4; without it they are short
     # (benchmarks/fleet_twin.py, docs/benchmarks.md): neither is right there yet.
     model_fit = StepTimeModel.fit(records, relative=True, chunk_term=False)
+    errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
+    info.update(records=len(records), median_error=statistics.median(errors))
+    return model_fit, info
+
+
+MIN_STEP_RECORDS = 50
+"""Fewest recorded steps a fit from steps takes."""
+
+
+def calibrate_from_steps(url: str, model: str | None = None, say=lambda line: None,
+                         after: int = 0) -> tuple[StepTimeModel, dict]:
+    """Fit a step-time model to the steps `url` recorded while it served (GET
+    /tierserve/v1/steps; those with ids above `after`). Returns it and what was learned of
+    the replica, as `calibrate_backend` does; a ConfigError where the replica keeps no
+    step records or too few."""
+    info = discover_info(url, model)
+    try:
+        r = httpx.get(info["url"] + "/tierserve/v1/steps", params={"after": after},
+                      timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"calibrate --backend {info['url']} --from-steps: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    if r.status_code != 200:
+        raise ConfigError(f"calibrate --backend {info['url']} --from-steps: the replica keeps "
+                          f"no step records (GET /tierserve/v1/steps answered {r.status_code}; "
+                          "a tierserve replica does); time it through its API instead "
+                          "(without --from-steps)")
+    records = [([tuple(q) for q in step["seqs"]], step["seconds"])
+               for step in r.json()["data"]
+               if step["model"] in (None, info["model"]) and step["seqs"]]
+    if len(records) < MIN_STEP_RECORDS:
+        raise ConfigError(f"calibrate --backend {info['url']} --from-steps: {len(records)} "
+                          f"steps recorded back to back, fewer than {MIN_STEP_RECORDS}; "
+                          "send the replica traffic first")
+    say(f"calibrate: {len(records)} step records from {info['url']}")
+    model_fit = StepTimeModel.fit(records, relative=True, chunk_term=True)
     errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
     info.update(records=len(records), median_error=statistics.median(errors))
     return model_fit, info

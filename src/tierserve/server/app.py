@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.core.stats import RequestStats
+from tierserve.core.step_log import StepLog
 from tierserve.tiers import Tier, resolve
 from tierserve import __version__
 from tierserve.errors import (AuthenticationError, InvalidRequestError, LoadingError,
@@ -56,6 +57,7 @@ class ServerState:
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.timeline = Timeline()
+        self.step_log = StepLog()
         self.recorder = Recorder(model_name, settings.prices,
                                  Ledger(settings.ledger_target)
                                  if settings.ledger_target else None,
@@ -113,6 +115,7 @@ class ServerState:
     def on_step(self, stats) -> None:
         self.metrics.on_step(stats)
         self.timeline.on_step(stats)
+        self.step_log.on_step(stats)
 
     def on_request_finished(self, stats: RequestStats) -> None:
         self.metrics.observe_request(stats)
@@ -290,6 +293,13 @@ def create_app(backend: Backend | None, settings: ServerSettings,
             state.metrics.set_queue_gauges(served.admission.queued, served.admission.running,
                                            served.backend.units(), served.name)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/tierserve/v1/steps")
+    async def steps(after: int = 0):
+        """This server's engine steps run back to back, with ids above `after`
+        (core/step_log.py): what `tierserve calibrate --backend URL --from-steps` fits."""
+        return {"object": "list", "data": state.step_log.after(after),
+                "last_id": state.step_log.last_id}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
