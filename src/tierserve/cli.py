@@ -91,12 +91,19 @@ def cmd_calibrate(args) -> int:
         print(f"a lone decode step {model.predict_s([(1, 256)]) * 1e3:.1f} ms; "
               f"`tierserve serve` with these engine flags reads {cache_path(engine)}")
         return 0
-    model = calibrate(engine, repeats=2 if args.repeats is None else args.repeats,
-                      whole_step=args.whole_step)
+    model = calibrate(engine, repeats=_repeats(args), whole_step=args.whole_step)
     model.save(args.out, model=args.model or "SmolLM2-135M-Instruct", dtype=args.dtype,
                device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
     print(f"{model.summary()}; wrote {args.out}")
     return 0
+
+
+CALIBRATE_REPEATS = 2
+"""Runs of the calibration grid where `--repeats` is not given."""
+
+
+def _repeats(args) -> int:
+    return CALIBRATE_REPEATS if args.repeats is None else args.repeats
 
 
 def _calibrate_backend(args) -> int:
@@ -120,8 +127,7 @@ def _calibrate_backend(args) -> int:
         model, info = calibrate_from_steps(args.backend, args.model, say)
         source = "the replica's own step records (tierserve calibrate --backend --from-steps)"
     else:
-        model, info = calibrate_backend(args.backend, args.model,
-                                        2 if args.repeats is None else args.repeats, say)
+        model, info = calibrate_backend(args.backend, args.model, _repeats(args), say)
         source = "streamed timings (tierserve calibrate --backend)"
     model.save(args.out, backend=info["url"], model=info["model"], kind=info["kind"],
                source=source, records=info["records"],

@@ -72,8 +72,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority-tpot-s", type=float, default=0.15,
                    help="the gateway's priority TPOT target (both gateways)")
     p.add_argument("--bench-seed", type=int, default=34)
-    p.add_argument("--calibrate-repeats", type=int, default=1,
-                   help="rounds of `tierserve calibrate --backend`'s grid per replica")
+    p.add_argument("--calibrate-repeats", type=int, default=None,
+                   help="rounds of `tierserve calibrate --backend`'s grid per replica "
+                        "(default 1; where the grid is run)")
     p.add_argument("--profile", choices=("steps", "grid"), default="steps",
                    help="a tierserve replica's profile: its own step records while the "
                         "fleet serves another draw of the workload (steps), or the timing "
@@ -262,14 +263,15 @@ async def _load_until(proc, url: str, arrivals: list[dict], model: str) -> None:
             await asyncio.gather(*(one(a) for a in arrivals))
 
 
-def calibrate_from_steps(specs: list[dict], model: str, arrivals: list[dict],
-                         url: str) -> None:
+def profile_from_steps(specs: list[dict], model: str, arrivals: list[dict],
+                       url: str) -> None:
     """`arrivals` replayed through the fleet's gateway at `url`, then each replica's model
     fitted to the steps it recorded (router/calibrate.py's calibrate_from_steps)."""
     from tierserve.router import calibrate
 
     for s in specs:   # only this replay's steps: the start-up's and earlier ones are left
-        s["after"] = httpx.get(s["url"] + "/tierserve/v1/steps").json()["last_id"]
+        s["after"] = httpx.get(s["url"] + "/tierserve/v1/steps",
+                               params={"after": 2**62}).json()["last_id"]
     asyncio.run(replay(url, arrivals, model))
     for s in specs:
         s["model"], _ = calibrate.calibrate_from_steps(s["url"], model, after=s["after"])
@@ -287,6 +289,11 @@ def vllm_fleet(args) -> tuple[list[Proc], list[dict]]:
 def run(args) -> None:
     from tierserve.router.flow import FlowConfig
 
+    if args.calibrate_repeats is not None and args.fleet == "tierserve" \
+            and args.profile == "steps":
+        raise SystemExit("--calibrate-repeats runs the grid, which --profile steps does not "
+                         "(give --profile grid)")
+
     arrivals = workload(args.rate, args.requests, args.bench_seed)
     flow_raw = {"priority_ttft_s": args.priority_ttft_s, "priority_tpot_s": args.priority_tpot_s}
     fleets = ["tierserve", "vllm"] if args.fleet == "both" else [args.fleet]
@@ -300,11 +307,12 @@ def run(args) -> None:
                 background = workload(args.rate / len(specs), args.requests,
                                       args.bench_seed + 1)
                 calibrate_through_gateway(specs, kind, model, flow_raw, background,
-                                          args.calibrate_repeats)
+                                          1 if args.calibrate_repeats is None
+                                          else args.calibrate_repeats)
             gw = gateway([{"url": s["url"], "kind": kind, "models": [model],
                            "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
             if from_steps:
-                calibrate_from_steps(specs, model,
+                profile_from_steps(specs, model,
                                      workload(args.rate, args.requests, args.bench_seed + 2),
                                      gw.url)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept

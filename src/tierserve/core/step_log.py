@@ -4,13 +4,15 @@ token of a busy engine waited for it. A tierserve server keeps one and serves it
 simulator's step-time model of that replica to it (router/calibrate.py).
 
 NOTE: what a record's time is
-    From the end of the step before to the end of this one, for a step that started
-    within GAP_S of that end (the engine busy): the step's own compute, its scheduling,
-    and the server's turn between steps (the tokens written to their streams). That is
-    what a token waits in steady state, where the step's compute alone is shorter: on a
-    one-core replica of the fleet twin (2-core Zen 4) a lone decode step computed in 6.3-6.8
-    ms while its tokens came 7.2-7.7 ms apart (docs/benchmarks.md). A step after idle is
-    not recorded: its time depends on when its request came, not on what it ran.
+    From the end of the step before to the end of this one, for a step that followed it
+    back to back (the engine still had requests when that one ended,
+    `StepStats.busy_before`): the step's own compute, its scheduling, and the server's
+    turn between steps (the tokens written to their streams), however long that turn
+    took. That is what a token waits in steady state, where the step's compute alone is
+    shorter: on a one-core replica of the fleet twin (2-core Zen 4) a lone decode step
+    computed in 6.3-6.8 ms while steps ended 7.2-7.7 ms apart (docs/benchmarks.md). A
+    step after idle is not recorded: its time depends on when its request came, not on
+    what it ran.
 """
 
 import threading
@@ -18,16 +20,15 @@ from collections import deque
 
 from tierserve.core.stats import RequestStats, StepStats
 
-GAP_S = 0.005
-"""A step starting within this of the last one's end follows it back to back: the
-server's turn between steps is well under it (about 1 ms on a one-core replica), and an
-idle engine's wait is longer."""
 KEEP = 16384
 """Records kept (about 2 minutes of lone decodes)."""
 
 
 class StepLog:
-    def __init__(self, keep: int = KEEP):
+    def __init__(self, model: str, keep: int = KEEP):
+        """`model`: the name a step's record carries where its StepStats names none (a
+        server's main model)."""
+        self.model = model
         self.records: deque[dict] = deque(maxlen=keep)
         self.last_id = 0
         """The id of the newest record (ids count from 1, in order)."""
@@ -38,21 +39,21 @@ class StepLog:
     # StatSink
     def on_step(self, s: StepStats) -> None:
         end = s.start_time + s.duration_s
-        key = (s.engine, s.model)
+        model = s.model or self.model
         with self._lock:
-            last = self._ends.get(key)
-            self._ends[key] = end
-            if last is None or s.start_time - last > GAP_S:
+            last = self._ends.get((s.engine, model))
+            self._ends[(s.engine, model)] = end
+            if last is None or not s.busy_before:
                 return
             self.last_id += 1
-            self.records.append({"id": self.last_id, "model": s.model, "engine": s.engine,
+            self.records.append({"id": self.last_id, "model": model, "engine": s.engine,
                                  "seqs": [[q.num_tokens, q.context_len] for q in s.seqs],
                                  "seconds": end - last})
 
     def on_request_finished(self, stats: RequestStats) -> None:
         pass
 
-    def after(self, step_id: int = 0) -> list[dict]:
-        """The records kept with ids above `step_id`, oldest first."""
+    def after(self, step_id: int = 0) -> tuple[list[dict], int]:
+        """The records kept with ids above `step_id`, oldest first, and the newest id."""
         with self._lock:
-            return [r for r in self.records if r["id"] > step_id]
+            return [r for r in self.records if r["id"] > step_id], self.last_id

@@ -194,7 +194,13 @@ def calibrate_backend(url: str, model: str | None = None, repeats: int = 2,
     # own cost cannot be told from per_token's. Fitted with it (15-30 ms a chunk) the
     # fleet twin's TTFTs came out 5-10x long on a 2-core Zen 4; without it they are short
     # (benchmarks/fleet_twin.py, docs/benchmarks.md): neither is right there yet.
-    model_fit = StepTimeModel.fit(records, relative=True, chunk_term=False)
+    return _fit(records, info, chunk_term=False)
+
+
+def _fit(records: list, info: dict, chunk_term: bool) -> tuple[StepTimeModel, dict]:
+    """The model fitted in relative error, and `info` with the records' count and its
+    median error on them."""
+    model_fit = StepTimeModel.fit(records, relative=True, chunk_term=chunk_term)
     errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
     info.update(records=len(records), median_error=statistics.median(errors))
     return model_fit, info
@@ -206,31 +212,34 @@ MIN_STEP_RECORDS = 50
 
 def calibrate_from_steps(url: str, model: str | None = None, say=lambda line: None,
                          after: int = 0) -> tuple[StepTimeModel, dict]:
-    """Fit a step-time model to the steps `url` recorded while it served (GET
+    """Fit a step-time model to the steps `url` recorded while it served `model` (GET
     /tierserve/v1/steps; those with ids above `after`). Returns it and what was learned of
     the replica, as `calibrate_backend` does; a ConfigError where the replica keeps no
-    step records or too few."""
+    step records, too few, or those of two engines (a dedicated deployment)."""
     info = discover_info(url, model)
+    where = f"calibrate --backend {info['url']} --from-steps"
     try:
         r = httpx.get(info["url"] + "/tierserve/v1/steps", params={"after": after},
                       timeout=30.0)
     except httpx.HTTPError as exc:
-        raise ConfigError(f"calibrate --backend {info['url']} --from-steps: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from exc
+    if r.status_code == 404:
+        raise ConfigError(f"{where}: the replica keeps no step records (GET "
+                          "/tierserve/v1/steps answered 404; a tierserve replica does); time "
+                          "it through its API instead (without --from-steps)")
     if r.status_code != 200:
-        raise ConfigError(f"calibrate --backend {info['url']} --from-steps: the replica keeps "
-                          f"no step records (GET /tierserve/v1/steps answered {r.status_code}; "
-                          "a tierserve replica does); time it through its API instead "
-                          "(without --from-steps)")
-    records = [([tuple(q) for q in step["seqs"]], step["seconds"])
-               for step in r.json()["data"]
-               if step["model"] in (None, info["model"]) and step["seqs"]]
+        raise ConfigError(f"{where}: GET /tierserve/v1/steps answered {r.status_code}: "
+                          f"{r.text[:200]}")
+    steps = [step for step in r.json()["data"] if step["model"] == info["model"]]
+    engines = sorted({step["engine"] for step in steps})
+    if len(engines) > 1:
+        raise ConfigError(f"{where}: the steps come from engines {', '.join(engines)} (a "
+                          "dedicated deployment), which one model cannot describe; time it "
+                          "through its API instead (without --from-steps)")
+    records = [([tuple(q) for q in step["seqs"]], step["seconds"]) for step in steps]
     if len(records) < MIN_STEP_RECORDS:
-        raise ConfigError(f"calibrate --backend {info['url']} --from-steps: {len(records)} "
-                          f"steps recorded back to back, fewer than {MIN_STEP_RECORDS}; "
-                          "send the replica traffic first")
+        raise ConfigError(f"{where}: {len(records)} steps of {info['model']} recorded back "
+                          f"to back, fewer than {MIN_STEP_RECORDS}; send the replica traffic "
+                          "first (a gateway records none: give a replica's URL)")
     say(f"calibrate: {len(records)} step records from {info['url']}")
-    model_fit = StepTimeModel.fit(records, relative=True, chunk_term=True)
-    errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
-    info.update(records=len(records), median_error=statistics.median(errors))
-    return model_fit, info
+    return _fit(records, info, chunk_term=True)

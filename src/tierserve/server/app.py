@@ -9,7 +9,7 @@ import contextlib
 import inspect
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -57,7 +57,7 @@ class ServerState:
         self.model_name = model_name
         self.metrics = Metrics(model_name)
         self.timeline = Timeline()
-        self.step_log = StepLog()
+        self.step_log = StepLog(model_name)
         self.recorder = Recorder(model_name, settings.prices,
                                  Ledger(settings.ledger_target)
                                  if settings.ledger_target else None,
@@ -295,11 +295,13 @@ def create_app(backend: Backend | None, settings: ServerSettings,
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/tierserve/v1/steps")
-    async def steps(after: int = 0):
+    async def steps(request: Request, after: int = Query(0, ge=0)):
         """This server's engine steps run back to back, with ids above `after`
-        (core/step_log.py): what `tierserve calibrate --backend URL --from-steps` fits."""
-        return {"object": "list", "data": state.step_log.after(after),
-                "last_id": state.step_log.last_id}
+        (core/step_log.py): what `tierserve calibrate --backend URL --from-steps` fits.
+        Operators' data, as the schedule: the admin key where the server has keys."""
+        dashboard.check_access(state, request)
+        data, last_id = state.step_log.after(after)
+        return {"object": "list", "data": data, "last_id": last_id}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):

@@ -55,7 +55,9 @@ def error_response(exc: Exception) -> JSONResponse:
 def validation_error(errors: list) -> InvalidRequestError:
     """The first of pydantic's errors as one clear message naming the parameter."""
     first = errors[0] if errors else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in first.get("loc", ())]
+    if loc[:1] in (["body"], ["query"]):   # where it was, not part of its name
+        loc = loc[1:]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request")
     if first.get("type") == "json_invalid":
