@@ -20,9 +20,9 @@ fitted to the steps it recorded meanwhile (`tierserve calibrate --backend URL
 --from-steps`): its neighbour busy, the gateway relaying both, each step timed from the
 end of the one before. With `--profile grid` (and always for vLLM, which records no
 steps without tierserve's plugin) each replica is timed through its API as the fleet
-reaches it: `tierserve calibrate --backend URL` pointed at a gateway over that replica alone (what the simulator takes its
-step durations from; timed straight at the replica, the twin missed the relay and the
-gateway's share of the cores: TTFT 24-41% and TPOT 15-41% short). While a replica is
+reaches it: `tierserve calibrate --backend URL` pointed at a gateway over that replica
+alone (timed straight at the replica, the twin missed the relay and the gateway's share
+of the cores: TTFT 24-41% and TPOT 15-41% short). While a replica is
 calibrated, the others serve their share of the workload (rate / replicas, another
 seed) through a gateway of their own, since in the fleet run they share the cores (with
 them idle the twin was 26% fast at the median; with them busy, 4.5%). The twin's
@@ -313,8 +313,8 @@ def run(args) -> None:
                            "max_num_seqs": args.max_num_seqs} for s in specs], flow_raw)
             if from_steps:
                 profile_from_steps(specs, model,
-                                     workload(args.rate, args.requests, args.bench_seed + 2),
-                                     gw.url)
+                                   workload(args.rate, args.requests, args.bench_seed + 2),
+                                   gw.url)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept
             rows, wall = asyncio.run(replay(gw.url, arrivals, model))
         finally:
