@@ -52,22 +52,22 @@ def test_an_unreachable_backend_and_engine_flags_are_refused(tmp_path):
 
 def test_a_step_log_keeps_steps_run_back_to_back_timed_from_the_one_before():
     """Each record's time runs from the previous step's end (the server's turn between
-    steps is in it, however long); a step after idle is not recorded; engines and models
-    are kept apart, a step naming no model taken as the server's."""
+    steps is in it, however long); a step after idle is not recorded; each record names
+    its engine and model, a step naming no model taken as the server's."""
     from tierserve.core.stats import SeqStepStats, StepStats
     from tierserve.core.step_log import StepLog
 
-    def step(start, duration, busy=True, engine="0", model=None, seqs=((1, 100),)):
+    def step(start, duration, follows=None, engine="0", model=None, seqs=((1, 100),)):
         return StepStats(0, start, duration, len(seqs), 0, len(seqs), 0, 0.0, 0,
                          [SeqStepStats("r", n, c, n == 1) for n, c in seqs], engine=engine,
-                         model=model, busy_before=busy)
+                         model=model, follows=follows)
     log = StepLog("smol", keep=3)
-    log.on_step(step(10.0, 0.006, busy=False))            # the first, after idle
-    log.on_step(step(10.020, 0.006, seqs=((1, 101), (64, 64))))  # a 14 ms turn: recorded
-    log.on_step(step(10.030, 0.006, busy=False))           # after idle: not recorded
-    log.on_step(step(10.0, 0.002, engine="fast"))           # another engine: its own clock
-    log.on_step(step(10.0025, 0.002, engine="fast"))
-    log.on_step(step(10.0, 0.002, model="gemma"))           # another model: the same
+    log.on_step(step(10.0, 0.006))                          # the first, after idle
+    log.on_step(step(10.020, 0.006, 10.006, seqs=((1, 101), (64, 64))))  # a 14 ms turn
+    log.on_step(step(10.030, 0.006))                        # after idle: not recorded
+    log.on_step(step(10.0, 0.002, engine="fast"))
+    log.on_step(step(10.0025, 0.002, 10.002, engine="fast"))
+    log.on_step(step(10.0, 0.002, model="gemma"))           # after idle: not recorded
     got, last = log.after(0)
     assert [(r["engine"], r["model"], r["seqs"]) for r in got] == [
         ("0", "smol", [[1, 101], [64, 64]]), ("fast", "smol", [[1, 100]])]
@@ -75,7 +75,8 @@ def test_a_step_log_keeps_steps_run_back_to_back_timed_from_the_one_before():
         0.0025)
     assert last == 2 and log.after(got[0]["id"]) == (got[1:], 2)
     for i in range(5):                                      # only the newest `keep` are kept
-        log.on_step(step(10.0045 + 0.002 * i, 0.002, engine="fast"))
+        log.on_step(step(10.0045 + 0.002 * i, 0.002, 10.0045 + 0.002 * (i - 1),
+                         engine="fast"))
     assert [r["id"] for r in log.after(0)[0]] == [5, 6, 7] and log.last_id == 7
 
 

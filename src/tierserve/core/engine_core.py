@@ -44,8 +44,8 @@ class EngineCore:
         self.accounting = Accounting()
         self._requests: dict[str, Request] = {}
         self.num_steps = 0
-        self._busy = False
-        """Whether requests were left when the last step ended (StepStats.busy_before)."""
+        self._busy_end: float | None = None
+        """The last step's end where requests were left then (StepStats.follows)."""
         self.tier_map: dict[Tier, Tier] = {t: self.policy.served_tier(t) for t in Tier}
         """Tier asked for -> the tier it is served and billed in (fixed per policy)."""
 
@@ -120,7 +120,7 @@ class EngineCore:
             kv_usage=self.block_manager.usage, num_waiting=self.scheduler.num_waiting,
             seqs=[SeqStepStats(s.request_id, len(s.token_ids), s.start_pos + len(s.token_ids),
                                s.is_decode) for s in out.seqs],
-            busy_before=self._busy)
-        self._busy = self.scheduler.has_unfinished()
+            follows=self._busy_end)
+        self._busy_end = end if self.scheduler.has_unfinished() else None
         self.num_steps += 1
         self.accounting.step(stats)

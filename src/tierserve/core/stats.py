@@ -41,9 +41,10 @@ class StepStats:
     `engine` label."""
     model: str | None = None
     """The served model's name where a server serves several (None: its only one)."""
-    busy_before: bool | None = None
-    """Whether the engine still had requests when its step before this one ended (the
-    step then followed it back to back); None where the stepper does not say."""
+    follows: float | None = None
+    """When the engine's step before this one ended, where it still had requests then
+    (this step followed it back to back); None after idle, or where the stepper does not
+    say."""
 
     @property
     def num_tokens(self) -> int:

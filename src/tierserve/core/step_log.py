@@ -5,8 +5,8 @@ simulator's step-time model of that replica to it (router/calibrate.py).
 
 NOTE: what a record's time is
     From the end of the step before to the end of this one, for a step that followed it
-    back to back (the engine still had requests when that one ended,
-    `StepStats.busy_before`): the step's own compute, its scheduling, and the server's
+    back to back (the engine still had requests when that one ended: `StepStats.follows`
+    is that end): the step's own compute, its scheduling, and the server's
     turn between steps (the tokens written to their streams), however long that turn
     took. That is what a token waits in steady state, where the step's compute alone is
     shorter: on a one-core replica of the fleet twin (2-core Zen 4) a lone decode step
@@ -32,23 +32,18 @@ class StepLog:
         self.records: deque[dict] = deque(maxlen=keep)
         self.last_id = 0
         """The id of the newest record (ids count from 1, in order)."""
-        self._ends: dict[tuple, float] = {}
-        """The last step's end, per engine (a deployment or a server may step several)."""
         self._lock = threading.Lock()
 
     # StatSink
     def on_step(self, s: StepStats) -> None:
-        end = s.start_time + s.duration_s
-        model = s.model or self.model
+        if s.follows is None:
+            return
+        record = {"model": s.model or self.model, "engine": s.engine,
+                  "seqs": [[q.num_tokens, q.context_len] for q in s.seqs],
+                  "seconds": s.start_time + s.duration_s - s.follows}
         with self._lock:
-            last = self._ends.get((s.engine, model))
-            self._ends[(s.engine, model)] = end
-            if last is None or not s.busy_before:
-                return
             self.last_id += 1
-            self.records.append({"id": self.last_id, "model": model, "engine": s.engine,
-                                 "seqs": [[q.num_tokens, q.context_len] for q in s.seqs],
-                                 "seconds": end - last})
+            self.records.append({"id": self.last_id, **record})
 
     def on_request_finished(self, stats: RequestStats) -> None:
         pass
