@@ -144,8 +144,9 @@ def _run_batch(engine, num: int, prompt_len: int, full_steps: int, rng, vocab: i
         count, bound = len(samples), bound - 1
         timed_step(engine, collector, samples, whole_step)
         if len(samples) > count and len(samples[-1][0]) == num and all(
-                n == 1 for n, _ in samples[-1][0]):
-            full += 1
+                n == 1 and c > prompt_len for n, c in samples[-1][0]):
+            full += 1  # a prompt's last chunk cut to one token (context == prompt_len)
+            # by the decode cap is not a decode: counted, it left a batch one step short
     for request_id in ids:
         engine.abort_request(request_id)  # those still decoding
 
