@@ -141,6 +141,42 @@ def test_the_step_meter_splits_every_step_and_idle_adds_up(steps, tail):
         pytest.approx(requests, rel=1e-9, abs=1e-12)
 
 
+def test_the_step_meter_logs_steps_run_back_to_back_from_the_end_of_the_one_before():
+    """With the plugin a vLLM replica keeps the step log a tierserve server keeps: a step
+    that followed one which left requests behind is timed from that one's end (vLLM's
+    turn between steps in it), whether it was scheduled after it or, with async
+    scheduling, while it ran; a step after idle is not recorded."""
+    from tierserve.core.step_log import StepLog
+
+    clock = _Clock()
+    book = CostBook({}, clock=clock)
+    meter = StepMeter(0.0, book, clock=clock)
+    book.step_log = StepLog("m")
+    meter.accounting.sinks.append(book.step_log)
+    meter.start("a", Tier.DEFAULT, "a", "t", 8, clock.t)
+    meter.scheduled("a", clock.t)
+
+    def step(i, seqs, compute_s, busy, turn_s=0.0):
+        clock.t += turn_s
+        meter.sent(i, seqs, clock.t, capped=False)
+        clock.t += compute_s
+        meter.done(i, clock.t)
+        meter.left(busy)
+
+    step(0, [("a", 8, 8, False)], 0.020, busy=True)        # after idle: not recorded
+    step(1, [("a", 1, 9, True)], 0.010, busy=False, turn_s=0.003)
+    step(2, [("a", 1, 10, True)], 0.010, busy=True, turn_s=1.0)   # after idle again
+    meter.sent(3, [("a", 1, 11, True)], clock.t - 0.004, capped=False)  # sent while 2 ran
+    clock.t += 0.012
+    meter.done(3, clock.t)
+    meter.left(False)
+    out = book.answer("steps 0")
+    assert [r["seqs"] for r in out["data"]] == [[[1, 9]], [[1, 11]]]
+    assert [r["seconds"] for r in out["data"]] == pytest.approx([0.013, 0.012])
+    assert {r["model"] for r in out["data"]} == {"m"} and out["last_id"] == 2
+    assert book.answer("steps 2") == {"data": [], "last_id": 2}
+
+
 # -------------------------------------------------------------------- a real vLLM
 def _complete(url: str, prompt: str, max_tokens: int = 40, **extra) -> dict:
     r = httpx.post(url + "/v1/completions", timeout=120, json={
@@ -424,3 +460,34 @@ print(out)
     assert got.returncode == 0, got.stderr[-800:]
     # p1 prefills; free slots 8 - 1 - 4 = 3 of the 5 waiting, 5 - 1 - 4 = 0, then all 5
     assert got.stdout.strip().splitlines()[-1] == "[4, 1, 6]"
+
+
+def test_the_plugin_keeps_its_steps_and_calibrate_fits_them(replicas):
+    """GET /tierserve/v1/steps on a plugin replica: its engine core's steps run back to
+    back, which `calibrate --backend URL --from-steps` fits as a tierserve replica's."""
+    from tierserve.router.calibrate import MIN_STEP_RECORDS, calibrate_from_steps
+
+    url, _ = replicas
+    after = httpx.get(url + "/tierserve/v1/steps", params={"after": 2**62},
+                      timeout=10).json()["last_id"]
+    streams = []
+    for i, p in enumerate(PROMPTS):   # staggered: later prompts beside earlier decodes
+        streams.append(_Stream(url, p, "default", 64, f"steps{i}"))
+        time.sleep(0.15)
+    for s in streams:
+        s.join(120)
+    steps = httpx.get(url + "/tierserve/v1/steps", params={"after": after}, timeout=10).json()
+    data = steps["data"]
+    assert len(data) >= MIN_STEP_RECORDS and steps["last_id"] == data[-1]["id"]
+    assert all(r["model"] == MODEL and r["seconds"] > 0 and r["seqs"] for r in data)
+    assert all(0 < n <= c for r in data for n, c in r["seqs"])
+    assert any(len(r["seqs"]) == len(PROMPTS) for r in data)
+    bad = httpx.get(url + "/tierserve/v1/steps", params={"after": "-1"}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    model, info = calibrate_from_steps(url, MODEL, after=after)
+    assert info["records"] == len(data) and info["kind"] == "vllm"
+    lone = sorted(r["seconds"] for r in data if len(r["seqs"]) == 1 and r["seqs"][0][0] == 1)
+    full = sorted(r["seconds"] for r in data if len(r["seqs"]) == len(PROMPTS))
+    typical = lone or full
+    assert model.predict_s([(1, 80)] * (1 if lone else len(PROMPTS))) == pytest.approx(
+        typical[len(typical) // 2], rel=0.5)

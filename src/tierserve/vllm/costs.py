@@ -3,7 +3,8 @@
 The scheduler runs in vLLM's engine-core process and the HTTP routes in the API server's,
 so the engine core keeps a `CostBook` (each finished request's exact cost, by the key the
 gateway gave it, and the replica's totals per tier) and answers over a Unix socket: one
-line in (`info`, `totals`, or `costs ["key", ...]`), one JSON line out. The middleware
+line in (`info`, `totals`, `costs ["key", ...]`, or `steps AFTER`: the step log's records
+with ids above AFTER), one JSON line out. The middleware
 (middleware.py) is the client. The socket is named by the API server's process id, which
 is the engine core's parent in a plain `vllm serve` ($TIERSERVE_VLLM_SOCKET names it when
 it is not).
@@ -16,6 +17,8 @@ import socketserver
 import threading
 import time
 from collections import OrderedDict
+
+from tierserve.core.step_log import StepLog
 
 ENDING_WAIT_S = 1.0
 """How long a `costs` question waits for a request that ended but whose last step is not
@@ -54,6 +57,8 @@ class CostBook:
         self.machine_usd = 0.0
         self._at: float | None = None
         self._busy = False
+        self.step_log: StepLog | None = None
+        """The engine core's recent steps run back to back (`steps AFTER`)."""
 
     def note(self, **info) -> None:
         """Update what `info` answers (the fitted model, the cap in force)."""
@@ -90,6 +95,11 @@ class CostBook:
 
     def answer(self, line: str) -> dict:
         command, _, arg = line.strip().partition(" ")
+        if command == "steps":   # the step log keeps its own lock
+            if self.step_log is None:
+                return {"error": "this engine core keeps no step log"}
+            data, last_id = self.step_log.after(int(arg or 0))
+            return {"data": data, "last_id": last_id}
         with self._lock:
             if command == "info":
                 return dict(self.info)

@@ -14,7 +14,10 @@ NOTE: the model and the bill
     the scheduler's cap predicts with it, and the cost meter (metering/cost.py) splits
     each step's measured cost by its work terms, through the request accounting
     (core/accounting.py). So requests + idle = the replica's machine cost, as in the
-    engine. The meter counts machine seconds (a price of one per second), which the
+    engine. A step that followed the one before back to back (requests were left when
+    that one came back: `left()`) says so (`StepStats.follows`), so the replica's step
+    log (core/step_log.py, GET /tierserve/v1/steps) times it as a tierserve server's:
+    from the end of the step before, vLLM's turn between steps included. The meter counts machine seconds (a price of one per second), which the
     book turns into USD at the replica's price and a gateway at its own. A finished
     request's bill goes to the CostBook under its gateway key.
 """
@@ -64,6 +67,8 @@ class StepMeter:
         self._since_fit = 0
         self._sent: dict = {}
         self._last_done: float | None = None
+        self._busy_end: float | None = None
+        """The last step's end where the engine still had requests then (left())."""
         self._keys: dict[str, tuple[str, str]] = {}  # request id -> (cost key, tenant)
         self._ending: dict[str, tuple] = {}  # ended, billed when its last step is back
         start = clock()  # the machine is paid from now: idle until the first step
@@ -148,6 +153,7 @@ class StepMeter:
         if sent is None:
             return None
         start = sent.at if self._last_done is None else max(self._last_done, sent.at)
+        follows, self._busy_end = self._busy_end, None
         self._last_done = self._booked_at = now
         duration = now - start
         if duration <= 0:
@@ -169,10 +175,17 @@ class StepMeter:
             num_prefill_tokens=sum(n for _, n, _, d in sent.seqs if not d),
             num_decode_tokens=sum(1 for *_, d in sent.seqs if d), num_preempted=0,
             kv_usage=kv_usage, num_waiting=num_waiting,
-            seqs=[SeqStepStats(rid, n, c, d) for rid, n, c, d in sent.seqs]))
+            seqs=[SeqStepStats(rid, n, c, d) for rid, n, c, d in sent.seqs],
+            follows=follows))
         self._settle_ended()
         self._publish(now)
         return duration, sent
+
+    def left(self, busy: bool) -> None:
+        """After a step's output is handled: whether the engine still has requests, so
+        the next step follows this one back to back (StepStats.follows, which the step
+        log times records from)."""
+        self._busy_end = self._last_done if busy else None
 
     def _settle_ended(self) -> None:
         """Bill the ended requests no step in flight holds any more."""

@@ -7,6 +7,10 @@ Routes on vLLM's own port (beside /metrics, and like it without vLLM's API key):
                                             the gateway sent (`vllm_xargs.tierserve_id`,
                                             else vLLM's own request id)
     GET /tierserve/v1/totals                machine cost per tier and phase, idle, total
+    GET /tierserve/v1/steps?after=ID        the engine core's recent steps run back to
+                                            back, as a tierserve server serves them
+                                            (core/step_log.py): what `tierserve calibrate
+                                            --backend URL --from-steps` fits
 It answers them from the engine core's CostBook (costs.py), and adds to vLLM's /metrics,
 in vLLM's naming style: `vllm:tierserve_cost_usd_total{tier,phase}`,
 `vllm:tierserve_idle_cost_usd_total`, `vllm:tierserve_machine_cost_usd_total` and
@@ -97,6 +101,14 @@ class TierserveMiddleware:
                        **costs.ask(self.path, "info")}
             elif path == "/tierserve/v1/totals":
                 out = {"object": "tierserve.totals", **costs.ask(self.path, "totals")}
+            elif path == "/tierserve/v1/steps":
+                after = query.get("after", ["0"])[-1]
+                if not after.isdigit():
+                    return await _json(send, 400, _error(
+                        f"after must be a non-negative integer (a step record's id), got "
+                        f"{after!r}", "invalid_value", param="after"))
+                out = {"object": "list", **costs.ask(self.path, f"steps {int(after)}",
+                                                      timeout_s=10.0)}
             elif path == "/tierserve/v1/costs":
                 ids = [i for v in query.get("ids", []) for i in v.split(",") if i]
                 out = {"object": "tierserve.costs",

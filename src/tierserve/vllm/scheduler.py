@@ -56,6 +56,7 @@ from vllm.v1.request import RequestStatus as VllmStatus
 from tierserve.core.fair import FairShare
 from tierserve.core.policy import TieredPolicy
 from tierserve.core.request import Request, RequestStatus
+from tierserve.core.step_log import StepLog
 from tierserve.core.tier_rules import StepCaps, TierClock, victim
 from tierserve.metering.prices import machine_price
 from tierserve.tiers import Tier
@@ -94,6 +95,8 @@ class TieredScheduler(AsyncScheduler):
                                     "price_per_hour": price, "config": asdict(self.tiers)},
                                    price_per_hour=price)
         self.steps = StepMeter(price, self.book)
+        self.book.step_log = StepLog(str(self.vllm_config.model_config.served_model_name))
+        self.steps.accounting.sinks.append(self.book.step_log)   # GET /tierserve/v1/steps
         self._server = costs.serve(self.book, costs.socket_path())
         self._refused: list = []
         self._starting = False
@@ -361,6 +364,7 @@ class TieredScheduler(AsyncScheduler):
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
                 EngineCoreOutput(request_id=request.request_id, new_token_ids=[],
                                  finish_reason=FinishReason.ABORT))
+        self.steps.left(self.has_unfinished_requests())
         return outputs
 
     def _settle(self, rid: str, now: float, reason: str) -> None:
