@@ -316,10 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "the model to ask for (default: the replica's first)")
     cal.add_argument("--from-steps", action="store_true",
                      help="with --backend: send nothing, and fit the steps a tierserve "
-                          "replica recorded while it served its traffic (GET "
-                          "/tierserve/v1/steps; each step timed from the end of the one "
-                          "before, so the server's turn between steps is in it), prompt "
-                          "chunks beside decodes included")
+                          "replica (or vLLM with tierserve's plugin) recorded while it "
+                          "served its traffic (GET /tierserve/v1/steps; a step timed from "
+                          "the end of a busy one before, so the server's turn between "
+                          "steps is in it), prompt chunks beside decodes included")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

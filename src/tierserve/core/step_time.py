@@ -140,11 +140,14 @@ class StepTimeModel:
                               + "\n")
 
     @classmethod
+    def from_dict(cls, data: dict) -> "StepTimeModel":
+        """From its coefficients by name (as saved; the optional ones may be missing)."""
+        return cls(**{k: float(data[k]) for k in FEATURES if k in data or k not in OPTIONAL})
+
+    @classmethod
     def load(cls, path: str | Path) -> "StepTimeModel":
         try:
-            data = json.loads(Path(path).read_text())["step_time_model"]
-            return cls(**{k: float(data[k]) for k in FEATURES
-                          if k in data or k not in OPTIONAL})
+            return cls.from_dict(json.loads(Path(path).read_text())["step_time_model"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
 

@@ -239,8 +239,8 @@ def calibrate_from_steps(url: str, model: str | None = None, say=lambda line: No
                           "through its API instead (without --from-steps)")
     records = [([tuple(q) for q in step["seqs"]], step["seconds"]) for step in steps]
     if len(records) < MIN_STEP_RECORDS:
-        raise ConfigError(f"{where}: {len(records)} steps of {info['model']} recorded back "
-                          f"to back, fewer than {MIN_STEP_RECORDS}; send the replica traffic "
+        raise ConfigError(f"{where}: {len(records)} steps of {info['model']} recorded, "
+                          f"fewer than {MIN_STEP_RECORDS}; send the replica traffic "
                           "first (a gateway records none: give a replica's URL)")
     say(f"calibrate: {len(records)} step records from {info['url']}")
     return _fit(records, info, chunk_term=True)

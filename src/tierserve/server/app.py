@@ -296,9 +296,9 @@ def create_app(backend: Backend | None, settings: ServerSettings,
 
     @app.get("/tierserve/v1/steps")
     async def steps(request: Request, after: int = Query(0, ge=0)):
-        """This server's engine steps run back to back, with ids above `after`
-        (core/step_log.py): what `tierserve calibrate --backend URL --from-steps` fits.
-        Operators' data, as the schedule: the admin key where the server has keys."""
+        """This server's recent engine steps, with ids above `after` (core/step_log.py):
+        what `tierserve calibrate --backend URL --from-steps` fits. Operators' data, as
+        the schedule: the admin key where the server has keys."""
         dashboard.check_access(state, request)
         data, last_id = state.step_log.after(after)
         return {"object": "list", "data": data, "last_id": last_id}

@@ -58,7 +58,7 @@ class CostBook:
         self._at: float | None = None
         self._busy = False
         self.step_log: StepLog | None = None
-        """The engine core's recent steps run back to back (`steps AFTER`)."""
+        """The engine core's recent steps (`steps AFTER`)."""
 
     def note(self, **info) -> None:
         """Update what `info` answers (the fitted model, the cap in force)."""

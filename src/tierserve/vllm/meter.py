@@ -17,9 +17,10 @@ NOTE: the model and the bill
     engine. A step that followed the one before back to back (requests were left when
     that one came back: `left()`) says so (`StepStats.follows`), so the replica's step
     log (core/step_log.py, GET /tierserve/v1/steps) times it as a tierserve server's:
-    from the end of the step before, vLLM's turn between steps included. The meter counts machine seconds (a price of one per second), which the
-    book turns into USD at the replica's price and a gateway at its own. A finished
-    request's bill goes to the CostBook under its gateway key.
+    from the end of the step before, vLLM's turn between steps included (a step after
+    idle from its own start). The meter counts machine seconds (a price of one per
+    second), which the book turns into USD at the replica's price and a gateway at its
+    own. A finished request's bill goes to the CostBook under its gateway key.
 """
 
 import time

@@ -7,8 +7,8 @@ Routes on vLLM's own port (beside /metrics, and like it without vLLM's API key):
                                             the gateway sent (`vllm_xargs.tierserve_id`,
                                             else vLLM's own request id)
     GET /tierserve/v1/totals                machine cost per tier and phase, idle, total
-    GET /tierserve/v1/steps?after=ID        the engine core's recent steps run back to
-                                            back, as a tierserve server serves them
+    GET /tierserve/v1/steps?after=ID        the engine core's recent steps, timed as a
+                                            tierserve server times them
                                             (core/step_log.py): what `tierserve calibrate
                                             --backend URL --from-steps` fits
 It answers them from the engine core's CostBook (costs.py), and adds to vLLM's /metrics,
@@ -20,6 +20,7 @@ It also checks `vllm_xargs.tier` on the way in: a tier that is not one of tierse
 a 400 in OpenAI's error shape (the scheduler, past the HTTP layer, could only guess).
 """
 
+import asyncio
 import json
 import os
 from urllib.parse import parse_qs
@@ -103,12 +104,16 @@ class TierserveMiddleware:
                 out = {"object": "tierserve.totals", **costs.ask(self.path, "totals")}
             elif path == "/tierserve/v1/steps":
                 after = query.get("after", ["0"])[-1]
-                if not after.isdigit():
+                if not (after.isascii() and after.isdigit()):
                     return await _json(send, 400, _error(
                         f"after must be a non-negative integer (a step record's id), got "
                         f"{after!r}", "invalid_value", param="after"))
-                out = {"object": "list", **costs.ask(self.path, f"steps {int(after)}",
-                                                      timeout_s=10.0)}
+                # up to 16,384 records: read off the event loop, which streams tokens
+                out = await asyncio.to_thread(costs.ask, self.path, f"steps {int(after)}",
+                                              10.0)
+                if "error" in out:
+                    raise ValueError(out["error"])
+                out = {"object": "list", **out}
             elif path == "/tierserve/v1/costs":
                 ids = [i for v in query.get("ids", []) for i in v.split(",") if i]
                 out = {"object": "tierserve.costs",

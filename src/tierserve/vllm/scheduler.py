@@ -137,6 +137,8 @@ class TieredScheduler(AsyncScheduler):
         for request in done:
             self._settle(request.request_id, now, "refused" if request.request_id in refused
                          else str(request.get_finished_reason()))
+        if done and not self.has_unfinished_requests():
+            self.steps.left(False)   # aborted to idle: the next step follows no busy one
         return done
 
     # ------------------------------------------------------------- schedule
