@@ -444,7 +444,7 @@ def run(args) -> None:
             report(name, real, figures(_later(rows2, way_in_s), wall2 + way_in_s), args,
                    note + " drift_taken_out", detail=False)
         if inside:
-            way_in(rows, twin_rows, inside)
+            ttft_means(rows, twin_rows, inside)
 
 
 def _later(rows: list[dict], seconds: float) -> list[dict]:
@@ -456,7 +456,7 @@ LATENCY = {"ttft": "tierserve_time_to_first_token_seconds",
            "queue": "tierserve_request_queue_time_seconds",
            "prefill": "tierserve_request_prefill_time_seconds"}
 """The replicas' own histograms (arrival in the engine to first token; to first
-scheduled; first scheduled to first token) that `way_in` compares."""
+scheduled; first scheduled to first token) that `ttft_means` compares."""
 
 
 def _replica_latency(specs: list[dict], before: dict | None = None) -> dict:
@@ -482,7 +482,7 @@ def _replica_latency(specs: list[dict], before: dict | None = None) -> dict:
     return out
 
 
-def way_in(rows: list[dict], sim_rows: list[dict], inside: dict) -> None:
+def ttft_means(rows: list[dict], sim_rows: list[dict], inside: dict) -> None:
     """Per tier, the mean TTFT the client saw, the replicas' own (from arrival in the
     engine: queued, then prefilled) and the twin's: the client's less the replicas' is the
     request's way in and out (HTTP at the gateway and the replica), which no step holds."""

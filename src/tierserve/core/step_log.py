@@ -1,6 +1,7 @@
 """An engine's recent steps as a replica serves them: what each step ran and how long a
 token waited for it. A tierserve server keeps one and serves it at
-`GET /tierserve/v1/steps`; `tierserve calibrate --backend URL --from-steps` fits the
+`GET /tierserve/v1/steps`, and so does vLLM's engine core with tierserve's plugin
+(vllm/meter.py); `tierserve calibrate --backend URL --from-steps` fits the
 simulator's step-time model of that replica to it (router/calibrate.py).
 
 NOTE: what a record's time is

@@ -19,11 +19,12 @@ NOTE: how
     a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
     runs it).
 
-    With `--from-steps` nothing is sent: a tierserve replica keeps its recent steps (GET
-    /tierserve/v1/steps, core/step_log.py), each timed from the end of the step before,
-    and the model is fitted to those, recorded while the replica served its own traffic
-    (the fleet's load, its neighbours busy). Its steps mix prompt chunks with decodes, so
-    the chunk term is fitted too; the grid's lone prefills cannot tell it apart.
+    With `--from-steps` nothing is sent: a tierserve replica (and vLLM with tierserve's
+    plugin) keeps its recent steps (GET /tierserve/v1/steps, core/step_log.py), each timed
+    from the end of a busy step before it, or from its own start after idle, and the
+    model is fitted to those, recorded while the replica served its own traffic (the
+    fleet's load, its neighbours busy). Its steps mix prompt chunks with decodes, so the
+    chunk term is fitted too; the grid's lone prefills cannot tell it apart.
 """
 
 import asyncio
