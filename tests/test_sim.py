@@ -108,10 +108,14 @@ def test_roofline_profiles_and_bad_specs():
 
 
 def test_a_cap_below_one_step_idles_until_the_guard_runs_out_as_the_engine_would():
-    """With the cap under the step's fixed time only priority runs; once the last priority
-    request left, others wait out priority_guard_s (10 s) instead of stalling the run."""
-    sim, result = simulate([SimRequest(0.0, "priority", 50, 5),
-                            SimRequest(0.001, "default", 50, 5)], limit=0.005)
+    """With a sequence dearer than any cap allows (its own cost over the guard's floor of
+    two fixed step times) only priority runs; once the last priority request left, others
+    wait out priority_guard_s (10 s) instead of stalling the run."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.05, per_token_s=0.0001,
+                          per_kv_token_s=1e-6)
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
+    sim = Simulator(cfg, 4000, 16, 4096, model, 3.6, step_time_limit_s=0.005)
+    result = sim.run([SimRequest(0.0, "priority", 50, 5), SimRequest(0.001, "default", 50, 5)])
     by_tier = {r.tier.label: r for r in result.requests}
     assert by_tier["default"].finish_reason == "length"
     assert by_tier["default"].first_scheduled_time > by_tier["priority"].finished_time + 10

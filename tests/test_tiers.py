@@ -85,7 +85,7 @@ def test_step_time_cap_applies_while_priority_runs_and_lifts_after_the_guard():
     s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=256,
                        step_time_model=model, step_time_limit_s=0.040, priority_guard_s=5.0)
     (p,) = make_requests(1, prompt_len=8, max_tokens=4, tier=P)
-    (d,) = make_requests(1, start=1, prompt_len=250, max_tokens=2, tier=D)
+    (d,) = make_requests(1, start=1, prompt_len=400, max_tokens=2, tier=D)
     s.add_request(p)
     s.add_request(d)
     capped, t = [], 0.0
@@ -100,10 +100,44 @@ def test_step_time_cap_applies_while_priority_runs_and_lifts_after_the_guard():
         t += 1.0
     # fixed 10 ms + priority's 2 ms decode leaves 28 ms: chunks of 27 tokens
     assert capped[1:] and all(c == 27 for c in capped[1:])
-    out = step(s, now=t + 4.0)  # priority left at t - 1: still within the 5 s guard
-    assert len(out.seqs[0].token_ids) == 29  # 10 + 1 + 29 = 40 ms
+    # priority left at t - 1: within the 5 s guard, steps keep to the decode cap (2.5 x
+    # 40 ms), so a priority arrival waits for at most one such step and the prompt is not
+    # cut into chunks that are mostly the step's fixed time
+    out = step(s, now=t + 4.0)
+    assert len(out.seqs[0].token_ids) == 89  # 10 + 1 + 89 = 100 ms
     out = step(s, now=t + 6.0)  # the guard has passed: the cap lifts
-    assert len(out.seqs[0].token_ids) > 29
+    assert len(out.seqs[0].token_ids) > 89
+
+
+@pytest.mark.parametrize("streams, prompts", [(12, 0), (1, 6)])
+def test_in_the_guard_no_lower_tier_decode_is_cut_and_no_burst_lifts_the_cap(streams, prompts):
+    """After the last priority request left, within priority_guard_s, steps keep to the
+    decode cap (2.5 x the 30 ms priority cap) by its rules: every stream decodes each step
+    (12 streams predict 34 ms alone, over the priority cap, which would cut two of them),
+    and a burst of long prompts beside one stream is cut to the cap instead of taking the
+    whole budget as it would with no priority request about, so a priority arrival waits
+    for one step of at most 75 ms."""
+    model = StepTimeModel(fixed_s=0.010, per_seq_s=0.001, per_token_s=0.001)
+    s = make_scheduler(policy="tiered", max_num_batched_tokens=256, num_blocks=1024,
+                       max_num_seqs=32, step_time_model=model, step_time_limit_s=0.030,
+                       priority_guard_s=5.0)
+    (p,) = make_requests(1, prompt_len=4, max_tokens=1, tier=P)
+    reqs = make_requests(streams, start=1, prompt_len=4, max_tokens=50, tier=D)
+    for r in [p, *reqs]:
+        s.add_request(r)
+    while p.status != RequestStatus.FINISHED_LENGTH or any(
+            r.num_output_tokens == 0 for r in reqs):
+        step(s, now=10.0)
+    for r in make_requests(prompts, start=40, prompt_len=400, max_tokens=2, tier=D):
+        s.add_request(r)
+    out = step(s, now=12.0)
+    got = {x.request_id: len(x.token_ids) for x in out.seqs}
+    assert [got.get(r.request_id) for r in reqs] == [1] * streams
+    predicted = model.predict_s([(len(x.token_ids), x.start_pos + len(x.token_ids))
+                                 for x in out.seqs])
+    assert predicted <= 0.075 + 1e-12
+    if prompts:   # 10 ms fixed, 2 ms the stream's decode: the prompt gets 1 + 62 ms
+        assert out.num_prefill_tokens == 62
 
 
 def test_cap_cuts_lower_tier_prefill_before_decodes():

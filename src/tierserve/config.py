@@ -125,8 +125,8 @@ class SchedulerConfig:
     slots and blocks, a step-time cap while priority decodes, reserves, default aging, a
     flex wait limit)."""
     priority_step_time_s: float | None = None
-    """tiered: while priority requests are in the engine (and `priority_guard_s` after),
-    steps are cut to this predicted time. None:
+    """tiered: while priority requests are in the engine, steps are cut to this predicted
+    time. None:
     0.9 x the priority tier's TPOT SLO if set, else 3x a calibrated one-sequence decode step;
     0 turns the cap off."""
     decode_step_time_s: float | None = None
@@ -140,9 +140,10 @@ class SchedulerConfig:
     times the priority cap; 0 turns it off. Applies where the priority cap has a
     step-time model (calibrated or from a profile)."""
     priority_guard_s: float = 10.0
-    """tiered: the cap stays on this long after the last priority request left, so the
-    next one finds a short step in flight (its wait for that step is part of its TTFT).
-    0: the cap holds only while priority requests are in the engine."""
+    """tiered: for this long after the last priority request left, every step (with
+    decodes or not) keeps to the decode cap, no burst lifting it (2.5 priority caps where
+    the decode cap is off), so the next priority request finds a step of bounded length
+    in flight (its wait for that step is part of its TTFT). 0: no guard."""
     reserved_priority_seqs: int = 0
     """tiered: sequence slots only priority requests may take."""
     reserved_priority_blocks: int = 0

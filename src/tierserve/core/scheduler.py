@@ -24,15 +24,14 @@ NOTE: the algorithm (schedule tokens, not phases)
     recomputed tokens are counted, per tier, as wasted work.
 
 NOTE: the step-time cap (tiered)
-    While any priority request is in the engine (waiting, prefilling or decoding), and for
-    `priority_guard_s` after the last one left, the predicted time of the step
-    (StepTimeModel) must stay within `step_time_limit_s`, divided by the smoothed ratio of
+    While any priority request is in the engine (waiting, prefilling or decoding), the
+    predicted time of the step (StepTimeModel) must stay within `step_time_limit_s`,
+    divided by the smoothed ratio of
     measured to predicted time of recent steps whose prefill the cap sized (so model error
     does not leak into TPOT; decode-only steps, which it never cuts, do not count: their
     error differs, and with them in the ratio a 4-bit model's mixed steps ran up to 1.3x
     over).
-    So priority's time per output token holds however much other work is queued, and a
-    priority arrival waits at most one short step before its own. Priority sequences are
+    So priority's time per output token holds however much other work is queued. Priority sequences are
     never cut. A step that gives a priority request its first token carries no lower-tier
     work at all (so its TTFT is close to an idle engine's), but only every other step, so
     a stream of priority arrivals slows lower tiers by half at most. Other sequences are
@@ -50,6 +49,13 @@ NOTE: the step-time cap (tiered)
     step where BURST_RATIO times as many prompts as streams could use it, until none is
     left, that cap is off: the burst is prefilled first at the token budget, the decodes
     in the same steps (tier_rules.BURST_RATIO says why).
+    For `priority_guard_s` after the last priority request left (the guard), every step,
+    with decodes or not, keeps to the decode cap by its rules, except that no burst lifts
+    it and the prompts' share is at most BURST_RATIO streams' (2.5 priority caps where the
+    decode cap is off): a priority arrival then waits for one step of bounded length before
+    its own. The guard once kept the priority cap itself, which cut lower tiers' prompts
+    into chunks of a few tokens, each step mostly its fixed time, and their decodes to fit
+    (tier_rules.StepCaps.limit_s says what that cost).
 
 Why one file of about 600 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that

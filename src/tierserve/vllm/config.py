@@ -35,8 +35,8 @@ class PluginConfig:
     price_per_hour: float | None = None
     """USD per hour of the machine; None: the hardware's list price."""
     priority_sync: bool = True
-    """While priority is about (the priority cap's window), schedule a step only once the
-    one before it is done: vLLM's async scheduling queues the next step while one runs,
+    """While priority is about and for `priority_guard_s` after, schedule a step only once
+    the one before it is done: vLLM's async scheduling queues the next step while one runs,
     so a priority arrival would wait for both; this costs the overlap, only then."""
 
     @classmethod

@@ -16,17 +16,20 @@ NOTE: what is applied, and where
                 for the KV blocks its prompt needs; nothing preempts a priority request
                 but vLLM's own rule among priority requests (vLLM's `priority` field is
                 set from the tier, so its victim is always the lowest tier first);
-    the cap     while priority is about (and `priority_guard_s` after), the step's token
-                budget shrinks so the predicted step time stays within the priority
-                cap; else steps that carry decodes keep to the decode cap (none while
-                a burst's prompts come in: core/tier_rules.py StepCaps.floor_s). Running
+    the cap     while priority is about, the step's token budget shrinks so the
+                predicted step time stays within the priority cap; for
+                `priority_guard_s` after, within the decode cap (2.5 priority caps
+                where it is off, as by default here), decodes never cut; else steps
+                that carry decodes keep to the decode cap if one is set (none while a
+                burst's prompts come in: core/tier_rules.py StepCaps.floor_s). Running
                 requests are ordered priority first, then decodes, then prefill chunks,
                 so the budget cuts lower tiers' prefill first; a step that gives a
                 priority request its first token carries no lower-tier work (every other
                 step at most);
-    in step     while priority is about, a step is scheduled only once the one before it
-                is back (`priority_sync`): vLLM's async scheduling queues the next step
-                while one runs, and a priority arrival would wait for both;
+    in step     while priority is about and in the guard, a step is scheduled only once
+                the one before it is back (`priority_sync`): vLLM's async scheduling
+                queues the next step while one runs, and a priority arrival would wait
+                for both;
     flex        a flex request not started within `flex_max_wait_s` is refused: it ends
                 with finish_reason `abort` and no token (a tierserve gateway answers 429);
     model, cost each step's time is measured and billed by meter.py (StepMeter): a
@@ -272,7 +275,7 @@ class TieredScheduler(AsyncScheduler):
         priority_about = self._num_priority > 0
         limit, decode_cap = self.caps.limit_s(now, self.tiers, limit0, priority_about,
                                               bool(decoding))
-        self._priority_window = limit is not None and not decode_cap
+        self._priority_window = limit is not None and (not decode_cap or self.caps.guarding)
         if limit is None:
             return None, []
         decode_s = sum(model.seq_cost_s(1, r.num_computed_tokens + 1) for r in decoding)
