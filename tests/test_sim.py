@@ -107,7 +107,7 @@ def test_roofline_profiles_and_bad_specs():
         make_workload("trace:/nonexistent.csv")
 
 
-def test_a_cap_below_one_step_idles_until_the_guard_runs_out_as_the_engine_would():
+def test_a_sequence_dearer_than_the_guard_s_cap_idles_until_it_runs_out_as_the_engine_would():
     """With a sequence dearer than any cap allows (its own cost over the guard's floor of
     two fixed step times) only priority runs; once the last priority request left, others
     wait out priority_guard_s (10 s) instead of stalling the run."""

@@ -9,11 +9,12 @@ from hypothesis import strategies as st
 
 from conftest import (FakeRunner, check_scheduler_invariants, make_requests, make_scheduler,
                       run_to_completion)
+from tierserve.config import SchedulerConfig
 from tierserve.core.block_manager import BlockManager
 from tierserve.core.request import Request, RequestStatus
 from tierserve.core.scheduler import SchedulerOutput
 from tierserve.core.step_time import FEATURES, StepTimeModel
-from tierserve.core.tier_rules import victim
+from tierserve.core.tier_rules import StepCaps, victim
 from tierserve.tiers import Tier
 
 P, D, F, B = Tier.PRIORITY, Tier.DEFAULT, Tier.FLEX, Tier.BATCH
@@ -103,7 +104,7 @@ def test_step_time_cap_applies_while_priority_runs_and_lifts_after_the_guard():
     # priority left at t - 1: within the 5 s guard, steps keep to the decode cap (2.5 x
     # 40 ms), so a priority arrival waits for at most one such step and the prompt is not
     # cut into chunks that are mostly the step's fixed time
-    out = step(s, now=t + 4.0)
+    out = step(s, now=t + 3.5)
     assert len(out.seqs[0].token_ids) == 89  # 10 + 1 + 89 = 100 ms
     out = step(s, now=t + 6.0)  # the guard has passed: the cap lifts
     assert len(out.seqs[0].token_ids) > 89
@@ -138,6 +139,25 @@ def test_in_the_guard_no_lower_tier_decode_is_cut_and_no_burst_lifts_the_cap(str
     assert predicted <= 0.075 + 1e-12
     if prompts:   # 10 ms fixed, 2 ms the stream's decode: the prompt gets 1 + 62 ms
         assert out.num_prefill_tokens == 62
+
+
+@pytest.mark.parametrize("decode_cap, guard_s, expect", [
+    (None, 5.0, 0.100), (0.060, 5.0, 0.060), (0.0, 5.0, 0.100), (None, 0.0, None)])
+def test_the_guard_s_cap_and_the_next_priority_request_s_own_first_step(decode_cap, guard_s,
+                                                                         expect):
+    """The guard's cap: the decode cap if one is set, else 2.5 priority caps (the vLLM
+    plugin's default has none); `priority_guard_s` 0: no guard. Either way the next
+    priority arrival's first-token step is its own again, even where the last one ended
+    in its own first-token step (so the every-other-step rule had just used its turn)."""
+    caps = StepCaps()
+    config = SchedulerConfig(decode_step_time_s=decode_cap, priority_guard_s=guard_s)
+    assert caps.limit_s(0.0, config, 0.040, True, False) == (0.040, False)
+    assert caps.starting(True)        # a priority request's first-token step; it ends there
+    limit, decode_kind = caps.limit_s(1.0, config, 0.040, False, False)   # no decodes
+    assert (limit, decode_kind) == ((expect, True) if expect else (None, False))
+    assert caps.guarding == bool(expect)
+    caps.limit_s(1.5, config, 0.040, True, False)                        # the next arrives
+    assert caps.starting(True)
 
 
 def test_cap_cuts_lower_tier_prefill_before_decodes():

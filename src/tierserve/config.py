@@ -137,8 +137,9 @@ class SchedulerConfig:
     prefilling or could start than streams decode, each may take a stream's share of the
     step); not at all through a burst (from a step with at least 4 times as many such
     prompts as streams, until none is left: they take the whole token budget). None: 2.5
-    times the priority cap; 0 turns it off. Applies where the priority cap has a
-    step-time model (calibrated or from a profile)."""
+    times the priority cap; 0 turns it off (the guard, `priority_guard_s`, still keeps
+    its steps to 2.5 priority caps). Applies where the priority cap has a step-time
+    model (calibrated or from a profile)."""
     priority_guard_s: float = 10.0
     """tiered: for this long after the last priority request left, every step (with
     decodes or not) keeps to the decode cap, no burst lifting it (2.5 priority caps where

@@ -25,37 +25,33 @@ NOTE: the algorithm (schedule tokens, not phases)
 
 NOTE: the step-time cap (tiered)
     While any priority request is in the engine (waiting, prefilling or decoding), the
-    predicted time of the step (StepTimeModel) must stay within `step_time_limit_s`,
-    divided by the smoothed ratio of
-    measured to predicted time of recent steps whose prefill the cap sized (so model error
-    does not leak into TPOT; decode-only steps, which it never cuts, do not count: their
-    error differs, and with them in the ratio a 4-bit model's mixed steps ran up to 1.3x
-    over).
-    So priority's time per output token holds however much other work is queued. Priority sequences are
-    never cut. A step that gives a priority request its first token carries no lower-tier
-    work at all (so its TTFT is close to an idle engine's), but only every other step, so
-    a stream of priority arrivals slows lower tiers by half at most. Other sequences are
-    added in order while they fit; a prefill chunk is shortened to fit after setting aside
-    the time of every decode not yet placed, so lower tiers' prefill is cut first and
-    their decodes last. Without the cap, batch-tier prompts still get at most
-    `batch_prefill_tokens` per step: a batch keeps every slot busy, and a priority request
-    arriving then waits for one step of decodes, not a long prefill. With no priority
-    request about, steps that carry anyone's decodes keep to a looser cap
-    (`decode_time_limit_s`, 2.5 times the priority cap by default) by the same rules, so one
-    long prompt's prefill chunks do not stall every stream in flight; where the decodes
-    alone come near that cap, a step may take up to DECODE_CAP_FLOOR times their time, and
-    where more default-tier prompts could start or are prefilling than streams decode,
-    (1 + prompts / streams) times (a burst's prompts each get a stream's share). From a
-    step where BURST_RATIO times as many prompts as streams could use it, until none is
-    left, that cap is off: the burst is prefilled first at the token budget, the decodes
-    in the same steps (tier_rules.BURST_RATIO says why).
+    predicted time of the step (StepTimeModel) must stay within `step_time_limit_s`, divided
+    by the smoothed ratio of measured to predicted time of recent steps whose prefill the
+    cap sized (so model error does not leak into TPOT; decode-only steps, which it never
+    cuts, do not count: their error differs, and with them in the ratio a 4-bit model's
+    mixed steps ran up to 1.3x over). So priority's time per output token holds however much
+    other work is queued. Priority sequences are never cut. A step that gives a priority
+    request its first token carries no lower-tier work at all (so its TTFT is close to an
+    idle engine's), but only every other step, so a stream of priority arrivals slows lower
+    tiers by half at most. Other sequences are added in order while they fit; a prefill
+    chunk is shortened to fit after setting aside the time of every decode not yet placed,
+    so lower tiers' prefill is cut first and their decodes last. Without the cap, batch-tier
+    prompts still get at most `batch_prefill_tokens` per step: a batch keeps every slot
+    busy, and a priority request arriving then waits for one step of decodes, not a long
+    prefill. With no priority request about (past the guard below), steps that carry
+    anyone's decodes keep to a looser cap (`decode_time_limit_s`, 2.5 times the priority cap
+    by default) by the same rules, so one long prompt's prefill chunks do not stall every
+    stream in flight; where the decodes alone come near that cap, a step may take up to
+    DECODE_CAP_FLOOR times their time, and where more default-tier prompts could start or
+    are prefilling than streams decode, (1 + prompts / streams) times (a burst's prompts
+    each get a stream's share). From a step where BURST_RATIO times as many prompts as
+    streams could use it, until none is left, that cap is off: the burst is prefilled first
+    at the token budget, the decodes in the same steps (tier_rules.BURST_RATIO says why).
     For `priority_guard_s` after the last priority request left (the guard), every step,
-    with decodes or not, keeps to the decode cap by its rules, except that no burst lifts
-    it and the prompts' share is at most BURST_RATIO streams' (2.5 priority caps where the
+    with decodes or not, keeps to the decode cap by its rules, except that no burst lifts it
+    and the prompts' share is at most BURST_RATIO streams' (2.5 priority caps where the
     decode cap is off): a priority arrival then waits for one step of bounded length before
-    its own. The guard once kept the priority cap itself, which cut lower tiers' prompts
-    into chunks of a few tokens, each step mostly its fixed time, and their decodes to fit
-    (tier_rules.StepCaps.limit_s says what that cost).
+    its own (tier_rules.StepCaps.limit_s says why not the priority cap).
 
 Why one file of about 600 lines: budget, cap, slots, blocks and preemption decide together
 within one pass over the queues (a preemption gives back budget and predicted time that
@@ -155,7 +151,8 @@ class _Step:
     priority_starting: bool = False
     """A priority request waits for its first token: lower tiers sit this step out."""
     decodes_only_cap: bool = False
-    """The cap is the decode cap (no priority about): it shortens prefill chunks only."""
+    """The cap is the decode cap's kind (no priority about: the decode cap, or the guard's):
+    it shortens prefill chunks only."""
     burst: bool = False
     """A burst lifted the decode cap (StepCaps.floor_s): decodes are placed first."""
     batch_prefill: int = 0

@@ -95,8 +95,9 @@ class StepCaps:
         self._burst_since: float | None = None
         """When the burst whose prompts are coming in began (floor_s), or None."""
         self.guarding = False
-        """Whether the last step was planned in the guard: no priority request about, the
-        last one within `priority_guard_s`."""
+        """Whether the step being planned is in the guard (set by limit_s, read by floor_s
+        in the same planning pass): no priority request about, the last one within
+        `priority_guard_s`."""
 
     @staticmethod
     def decode_limit_s(config: SchedulerConfig, priority_limit_s: float | None) -> float | None:
@@ -107,15 +108,22 @@ class StepCaps:
             return DECODE_CAP_FACTOR * priority_limit_s if priority_limit_s else None
         return explicit or None
 
-    def limit_s(self, now: float, config: SchedulerConfig, priority_limit_s: float | None,
+    @classmethod
+    def guard_limit_s(cls, config: SchedulerConfig, priority_limit_s: float) -> float:
+        """The cap of every step in the guard (limit_s): the decode cap, or where that is
+        off (`decode_step_time_s` 0, the vLLM plugin's default) DECODE_CAP_FACTOR
+        priority caps."""
+        return cls.decode_limit_s(config, priority_limit_s) or DECODE_CAP_FACTOR * priority_limit_s
+
+    def limit_s(self, now: float, config: SchedulerConfig, priority_limit_s: float,
                 priority_about: bool, any_decoding: bool) -> tuple[float | None, bool]:
-        """(this step's cap in the model's seconds, whether it is the decode cap) or
-        (None, False). `priority_about`: a priority request is in the scheduler.
+        """(this step's cap in the model's seconds, whether it is the decode cap's kind:
+        no decode cut, floor_s applies) or (None, False). `priority_about`: a priority
+        request is in the scheduler.
 
         In the guard (`priority_guard_s` after the last priority request left) every step
-        gets the decode cap, with or without decodes (DECODE_CAP_FACTOR priority caps
-        where the decode cap is off, as in the vLLM plugin), and floor_s lifts it for no
-        burst. The guard used to keep the priority cap itself. On a one-core 4-bit
+        gets guard_limit_s, with or without decodes, and floor_s lifts it for no burst.
+        The guard used to keep the priority cap itself. On a one-core 4-bit
         replica that cap (about 15 ms) left a prompt chunk about 8 tokens beside the
         step's fixed time, so a 150-token default prompt took about 19 steps, 280 ms,
         where one step takes 130 ms. Two such replicas behind a gateway at 1.5 req/s
@@ -125,11 +133,13 @@ class StepCaps:
         (plain vLLM's 185)."""
         if priority_about:
             self._priority_seen_at = now
-        guarded = now - self._priority_seen_at <= config.priority_guard_s
-        decode = self.decode_limit_s(config, priority_limit_s)
-        self.guarding = guarded and not priority_about
+        else:
+            self._last_for_priority = False   # the next arrival's first step is its own
+        self.guarding = not priority_about and config.priority_guard_s > 0 \
+            and now - self._priority_seen_at <= config.priority_guard_s
         if self.guarding:
-            return (decode or DECODE_CAP_FACTOR * priority_limit_s) / self.ratio, True
+            return self.guard_limit_s(config, priority_limit_s) / self.ratio, True
+        decode = self.decode_limit_s(config, priority_limit_s)
         if decode and any_decoding and not priority_about:
             return decode / self.ratio, True
         self._burst_since = None   # a burst is a run of steps under the decode cap

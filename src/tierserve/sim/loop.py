@@ -16,9 +16,9 @@ NOTE: the loop
     seed, same events, same result.
 
     A replica with work that plans an empty step while nothing else is pending would stall
-    the clock; what can unblock it is time (the tiered cap stays on for `priority_guard_s`
-    after the last priority request, and a cap below one step's fixed time admits only
-    priority), so it gets one wake-up event that much later, as the engine would idle
+    the clock; what can unblock it is time (the tiered caps stay on for `priority_guard_s`
+    after the last priority request, and a sequence dearer than the guard's cap allows
+    waits it out), so it gets one wake-up event that much later, as the engine would idle
     until then. Stalled again after that, the run stops with an error.
 """
 
