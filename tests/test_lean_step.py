@@ -173,11 +173,13 @@ def test_a_burst_s_prompts_in_one_attention_call_are_computed_as_one_by_one(quan
                              decode_block_tables=None, decode_mask=None,
                              decode_context_lens=None, prefills=chunks)
 
+    dtype = engine.runner.dtype   # float32 on a CPU without a bfloat16 matmul (AVX2)
+
     def run(group: bool):
         caches = [(torch.zeros(-(-T // 16), 16, shape.num_kv_heads, shape.head_dim,
-                               dtype=torch.bfloat16),
+                               dtype=dtype),
                    torch.zeros(-(-T // 16), 16, shape.num_kv_heads, shape.head_dim,
-                               dtype=torch.bfloat16)) for _ in range(shape.num_layers)]
+                               dtype=dtype)) for _ in range(shape.num_layers)]
         lean = cpu_step.LeanForward(kernels.load(), model, caches)
         lean.impl.group_chunks = group
         with torch.inference_mode(), profile() as prof:
@@ -300,7 +302,8 @@ def test_an_int8_kv_cache_keeps_each_head_within_half_a_step_of_its_scale():
     from tierserve.model.llama import AttentionMetadata, PrefillChunk
 
     def prefill(kv_cache_dtype):
-        caches = cpu_step.new_kv_caches(shape, -(-T // 16), 16, torch.bfloat16, kv_cache_dtype)
+        caches = cpu_step.new_kv_caches(shape, -(-T // 16), 16, engine.runner.dtype,
+                                        kv_cache_dtype)
         lean = cpu_step.LeanForward(kernels.load(), model, caches)
         first = AttentionMetadata(torch.arange(48), 0, None, None, None,
                                   [PrefillChunk(0, 48, None, None)])
@@ -358,12 +361,15 @@ def test_an_int8_kv_cache_holds_nearly_twice_the_tokens_and_serves_every_kind_of
     auto = get_engine(dtype="bfloat16", max_num_batched_tokens=64, kv_cache_memory_gb=0.25)
     int8 = get_engine(dtype="bfloat16", max_num_batched_tokens=64, kv_cache_memory_gb=0.25,
                       kv_cache_dtype="int8")
-    # SmolLM2: 2 x 192 bf16 values a token and layer against 2 x (192 + 3 scales x 4 bytes)
+    # SmolLM2: 2 x 192 bf16 values a token and layer (float32 ones on a CPU without a
+    # bfloat16 matmul, where bfloat16 computes in float32) against 2 x (192 + 3 scales x 4
+    # bytes)
+    dtype = auto.runner.dtype
     assert int8.block_manager.num_blocks == pytest.approx(
-        auto.block_manager.num_blocks * 768 / 408, rel=0.001)
+        auto.block_manager.num_blocks * 2 * 192 * dtype.itemsize / 408, rel=0.001)
     model = int8.runner.model
     shadow = cpu_step.LeanForward(kernels.load(), model, cpu_step.new_kv_caches(
-        model.shape, int8.block_manager.num_blocks, int8.runner.block_size, torch.bfloat16))
+        model.shape, int8.block_manager.num_blocks, int8.runner.block_size, dtype))
     worst: dict[str, float] = {}
     forward = cpu_step.LeanForward.__call__
 

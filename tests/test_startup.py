@@ -5,13 +5,26 @@ configuration, then read back."""
 import subprocess
 import sys
 
+import pytest
+
+from tierserve.errors import ConfigError
 from tierserve.model import kernels
 
 
 def test_kernel_build_command_says_one_line():
+    """Where a C++ compiler and ninja are there, the kernels build on this CPU whatever its
+    instruction set (a source that compiled only with AVX-512 VNNI fell back to plain
+    torch ops on a Zen 3, and every kernel test skipped as if no compiler were there);
+    without them the command says so in one line."""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
     done = subprocess.run([sys.executable, "-m", "tierserve.model.kernels"],
                           capture_output=True, text=True, timeout=600)
+    toolchain = shutil.which("c++") is not None and is_ninja_available()
     if kernels.load() is None:
+        assert not toolchain, done.stderr[-3000:]
         assert done.returncode == 1 and "plain torch ops" in done.stderr
         return
     assert done.returncode == 0, done.stderr
@@ -94,8 +107,14 @@ def test_an_engine_with_a_priority_reserve_calibrates_at_start_up(tmp_path, monk
     from tierserve.llm import engine_config
 
     monkeypatch.setenv("TIERSERVE_CACHE_DIR", str(tmp_path))
-    engine = LLMEngine(engine_config(dtype="bfloat16", kv_cache_memory_gb=0.25, max_num_seqs=4,
+    # a pool of blocks, not of GiB: bfloat16 computes (and caches) in float32 on a CPU
+    # without a bfloat16 matmul, where 0.25 GiB held half as many
+    engine = LLMEngine(engine_config(dtype="bfloat16", num_kv_blocks=728, max_num_seqs=4,
                                      reserved_priority_seqs=1, reserved_priority_blocks=600))
     assert engine.scheduler.max_len_lower < engine.max_model_len  # the reserve bites
     assert engine.scheduler.step_time_model is not None
     assert not engine.has_unfinished_requests()
+    # a reserve of the whole pool leaves the other tiers nothing: refused, by name
+    with pytest.raises(ConfigError, match="reserved_priority_blocks 728 leaves no KV block"):
+        LLMEngine(engine_config(dtype="bfloat16", num_kv_blocks=728, max_num_seqs=4,
+                                reserved_priority_blocks=728))

@@ -75,6 +75,7 @@ from tierserve.core.request import Request, RequestStatus
 from tierserve.core.speculate import NgramProposer
 from tierserve.core.step_time import EPS_S, StepTimeModel
 from tierserve.core.tier_rules import StepCaps, TierClock, victim
+from tierserve.errors import ConfigError
 from tierserve.tiers import Tier
 
 
@@ -199,6 +200,11 @@ class Scheduler:
         """Longest prompt + output of a lower-tier request: what the blocks outside the
         priority reserve hold (more could never be allocated: it would wait forever)."""
         if self.policy.tiered and config.reserved_priority_blocks:
+            if config.reserved_priority_blocks >= block_manager.num_blocks:
+                raise ConfigError(
+                    f"reserved_priority_blocks {config.reserved_priority_blocks} leaves no KV "
+                    f"block for the other tiers: the pool has {block_manager.num_blocks} "
+                    "(give fewer, or more KV memory)")
             self.max_len_lower = min(max_model_len, block_manager.block_size * (
                 block_manager.num_blocks - config.reserved_priority_blocks))
         self._too_long: list[Request] = []

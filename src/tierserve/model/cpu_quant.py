@@ -422,6 +422,7 @@ static bool int4_fast(const at::Tensor& sz, int64_t group) {
 #endif
 }
 
+#ifdef TIERSERVE_VNNI
 // int4_rows_vnni for m rows (1-4) and a half (0: the whole block; 1, 2: first, last 32).
 static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* dx,
                           const float* xs, const uint8_t* blk, const at::BFloat16* bsz,
@@ -440,6 +441,7 @@ static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* 
   }
 #undef TS_ROWS
 }
+#endif
 
 // y [M, N] = x W^T for an int4 layer in torch's CPU packing, without dequantizing it.
 static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
