@@ -85,8 +85,9 @@ def test_a_step_log_times_a_step_from_the_one_before_or_after_idle_from_its_star
 def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
     """GET /tierserve/v1/steps gives a tierserve replica's recent steps; `calibrate
     --backend URL --from-steps` fits them (the chunk term too, as prompt chunks ran beside
-    decodes) without sending anything; too few records, or a replica that keeps none, are
-    refused with what to do."""
+    decodes) without a timing grid, then measures the way in with one-token probes (not
+    where other traffic runs); too few records, or a replica that keeps none, are refused
+    with what to do."""
     import concurrent.futures
     import threading
     import time
@@ -95,7 +96,9 @@ def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
     import httpx
 
     from test_server import LiveServer
-    from tierserve.router.calibrate import MIN_STEP_RECORDS, calibrate_from_steps
+    from tierserve.core.step_time import load_way_in_s
+    from tierserve.router.calibrate import (MIN_STEP_RECORDS, calibrate_from_steps,
+                                            measure_way_in)
     from tierserve.server.settings import ServerSettings
 
     srv = LiveServer(ServerSettings())
@@ -121,8 +124,12 @@ def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
                          params={"after": steps["last_id"]}).json()["data"] == []
         bad = httpx.get(srv.url + "/tierserve/v1/steps", params={"after": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
-        model, info = calibrate_from_steps(srv.url)
+        said = []
+        model, info = calibrate_from_steps(srv.url, say=said.append)
         assert info["records"] == len(data) and info["kind"] == "tierserve"
+        # then one-token probes of the idle replica: the way in outside its steps
+        assert 0 <= info["way_in_s"] < 0.5, said
+        assert any("the way in" in line and "median of 8 probes" in line for line in said)
         # the last request's last tokens decode alone: the fit's lone decode is theirs,
         # within a busy machine's spread
         lone = sorted(r["seconds"] for r in data if r["seqs"] == [[1, r["seqs"][0][1]]])
@@ -132,6 +139,19 @@ def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         assert StepTimeModel.load(tmp_path / "s.json").predict_s([(1, 150)]) > 0
+        assert 0 <= load_way_in_s(tmp_path / "s.json") < 0.5   # what `sim` adds
+        assert "the way in" in out.stdout
+        # with other traffic on the replica the probes' steps cannot be told apart
+        busy = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                kwargs={"timeout": 300, "json": {
+                                    "model": "smol", "prompt": "a long story", "max_tokens": 300,
+                                    "ignore_eos": True}})
+        busy.start()
+        time.sleep(0.3)
+        said.clear()
+        assert measure_way_in(info, said.append) is None
+        assert "the way in not measured" in said[0] and "--way-in-s" in said[0]
+        busy.join(300)
         bad = subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--backend",
                               srv.url, "--from-steps", "--repeats", "3"],
                              capture_output=True, text=True, timeout=60)

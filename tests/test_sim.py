@@ -298,3 +298,54 @@ def test_a_plan_with_a_step_time_margin_assumes_slower_steps_and_refuses_a_bad_m
     assert replica.scheduler.step_time_ratio == pytest.approx(1.5, rel=0.05)
     with pytest.raises(ConfigError, match="--step-time-margin"):
         Planner(shape, slo, step_time_margin=-0.1)
+
+
+def test_a_replicas_way_in_lengthens_ttft_and_end_to_end_by_itself_not_tpot(tmp_path):
+    """What a request spends outside a replica's steps (a profile's way_in_s, measured by
+    `calibrate --backend --from-steps`, or `sim --way-in-s`) comes before its first step:
+    alone on the replica its TTFT and end-to-end grow by exactly that, its TPOT and the
+    steps not, on one engine and behind the gateway; a profile's way_in_s is read back, an
+    explicit one wins, and a negative or non-number one is refused by name."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from tierserve.sim.fleet import FleetConfig, machine_for, make_simulator
+
+    lone = [SimRequest(0.0, "default", 100, 10), SimRequest(5.0, "priority", 50, 10),
+            SimRequest(9.0, "flex", 80, 6)]
+    _, plain = simulate(lone)
+    _, late = simulate(lone, way_in_s=0.02)
+    assert late.num_steps == plain.num_steps
+    for a, b in zip(plain.requests, late.requests):
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.02)
+        assert b.tpot_s == pytest.approx(a.tpot_s)
+        assert b.finished_time == pytest.approx(a.finished_time + 0.02)
+    profile = tmp_path / "p.json"
+    MODEL.save(profile, way_in_s=0.015)
+    shape = preset("smollm2-135m")
+    assert machine_for(shape, step_time_profile=str(profile)).way_in_s == 0.015
+    assert machine_for(shape, step_time_profile=str(profile), way_in_s=0).way_in_s == 0
+    assert machine_for(shape, "h100-sxm", way_in_s=0.01).way_in_s == 0.01
+
+    def gateway_run(way_in_s):
+        machine = machine_for(shape, step_time_profile=str(profile), way_in_s=way_in_s)
+        sim = make_simulator(machine, SchedulerConfig(max_num_seqs=8), FleetConfig(
+            replicas=2, router="gateway"), 0.05)
+        return sim.run(lone)
+    fleet, fleet_late = gateway_run(0), gateway_run(None)
+    for a, b in zip(fleet.requests, fleet_late.requests):
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.015)
+        assert b.tpot_s == pytest.approx(a.tpot_s)
+    for bad in (-0.01, "fast", True):
+        profile.write_text(json.dumps({"step_time_model": asdict(MODEL), "way_in_s": bad}))
+        with pytest.raises(ConfigError, match="way_in_s must be a number of seconds >= 0"):
+            machine_for(shape, step_time_profile=str(profile))
+    with pytest.raises(ConfigError, match="way in must be >= 0"):
+        machine_for(shape, "h100-sxm", way_in_s=-1)
+    out = subprocess.run([sys.executable, "-m", "tierserve.cli", "sim", "--workload",
+                          "poisson:rate=1,n=5", "--way-in-s", "-0.5"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "way in must be >= 0" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

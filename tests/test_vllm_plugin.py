@@ -475,7 +475,8 @@ print(out)
 
 def test_the_plugin_keeps_its_steps_and_calibrate_fits_them(replicas):
     """GET /tierserve/v1/steps on a plugin replica: its engine core's steps run back to
-    back, which `calibrate --backend URL --from-steps` fits as a tierserve replica's."""
+    back, which `calibrate --backend URL --from-steps` fits as a tierserve replica's, and
+    its probes tell their own steps apart, so the way in is measured there too."""
     from tierserve.router.calibrate import MIN_STEP_RECORDS, calibrate_from_steps
 
     url, _ = replicas
@@ -496,6 +497,8 @@ def test_the_plugin_keeps_its_steps_and_calibrate_fits_them(replicas):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
     model, info = calibrate_from_steps(url, MODEL, after=after)
     assert info["records"] == len(data) and info["kind"] == "vllm"
+    # the probes of the idle replica: vLLM's front end and the engine core's queue
+    assert info["way_in_s"] is not None and 0 <= info["way_in_s"] < 1.0
     full = sorted(r["seconds"] for r in data if len(r["seqs"]) == len(PROMPTS)
                   and all(n == 1 for n, _ in r["seqs"]))
     assert full, "no step decoded all four streams together"

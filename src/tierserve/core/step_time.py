@@ -152,6 +152,19 @@ class StepTimeModel:
             raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
 
 
+def load_way_in_s(path: str | Path) -> float:
+    """A profile's `way_in_s` (what a request spends outside the steps, measured by
+    `tierserve calibrate --backend URL --from-steps`), 0 where it has none; a ConfigError
+    naming the field where it is not a number >= 0."""
+    try:
+        value = json.loads(Path(path).read_text()).get("way_in_s", 0.0)
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{path}: way_in_s must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
 def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Solve the normal equations (X'X) b = X'y by Gaussian elimination with pivoting.
     Columns are scaled first so per-token seconds and per-step seconds are comparable."""

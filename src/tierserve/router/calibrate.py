@@ -19,12 +19,24 @@ NOTE: how
     a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
     runs it).
 
-    With `--from-steps` nothing is sent: a tierserve replica (and vLLM with tierserve's
+    With `--from-steps` no grid is sent: a tierserve replica (and vLLM with tierserve's
     plugin) keeps its recent steps (GET /tierserve/v1/steps, core/step_log.py), each timed
     from the end of a busy step before it, or from its own start after idle, and the
     model is fitted to those, recorded while the replica served its own traffic (the
     fleet's load, its neighbours busy). Its steps mix prompt chunks with decodes, so the
     chunk term is fitted too; the grid's lone prefills cannot tell it apart.
+
+NOTE: the way in
+    A step record holds what the engine did, not what a request went through before its
+    first step and after its first token: the replica's HTTP handling, tokenizing, its
+    queue to the engine, the stream back. The grid's times hold it (they are the
+    client's); a fit to step records does not, so `--from-steps` then sends a few
+    one-token requests one after another to the idle replica and keeps the median of
+    each one's time to its first token less the step the replica recorded for it: the
+    profile's `way_in_s`, which `tierserve sim` adds to every request's way to that
+    replica. A gateway's own hop in front is not in it (a probe sent through a gateway
+    could not be told which replica's step is its own): `sim --way-in-s` takes a figure
+    that holds it.
 """
 
 import asyncio
@@ -244,4 +256,73 @@ def calibrate_from_steps(url: str, model: str | None = None, say=lambda line: No
                           f"fewer than {MIN_STEP_RECORDS}; send the replica traffic "
                           "first (a gateway records none: give a replica's URL)")
     say(f"calibrate: {len(records)} step records from {info['url']}")
-    return _fit(records, info, chunk_term=True)
+    fitted = _fit(records, info, chunk_term=True)
+    info["way_in_s"] = measure_way_in(info, say)
+    return fitted
+
+
+WAY_IN_PROBES = 8
+PROBE_TOKENS = 16
+
+
+def measure_way_in(info: dict, say=lambda line: None,
+                   probes: int = WAY_IN_PROBES) -> float | None:
+    """What a request to the replica spends outside its steps (see the note on the way
+    in), in seconds: `probes` one-token requests one after another, each its time to the
+    first token less the step the replica recorded for it; the median. None (and says
+    why) where the replica ran other steps meanwhile: it has traffic of its own."""
+    url, model = info["url"], info["model"]
+    before = _steps(url, 2**62)[1]
+    rng = random.Random(1)
+
+    async def go() -> list[float | None]:
+        out = []
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            for _ in range(probes):
+                prompt = [rng.randrange(100, info["vocab"]) for _ in range(PROBE_TOKENS)]
+                out.append(await _first_chunk(client, url, model, prompt))
+        return out
+
+    ttfts = asyncio.run(go())
+    records = [r for r in _steps(url, before)[0] if r["model"] == model]
+    probed = [r for r in records if r["after_idle"] and r["seqs"] == [[PROBE_TOKENS] * 2]]
+    if len(records) != probes or len(probed) != probes or None in ttfts:
+        say(f"calibrate: the way in not measured: {len(records)} steps ran while {probes} "
+            "probes were sent one by one (the replica has other traffic); give `sim "
+            "--way-in-s` yourself")
+        return None
+    way_in = statistics.median(t - r["seconds"] for t, r in zip(ttfts, probed))
+    say(f"calibrate: the way in {way_in * 1e3:.1f} ms (median of {probes} probes: time to "
+        "the first token less the replica's step)")
+    return max(way_in, 0.0)
+
+
+def _steps(url: str, after: int) -> tuple[list[dict], int]:
+    """The replica's step records with ids above `after`, and the newest id."""
+    try:
+        r = httpx.get(url + "/tierserve/v1/steps", params={"after": after}, timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"{url}/tierserve/v1/steps: {type(exc).__name__}: {exc}") from exc
+    if r.status_code != 200:
+        raise ConfigError(f"{url}/tierserve/v1/steps answered {r.status_code}: "
+                          f"{r.text[:200]}")
+    body = r.json()
+    return body["data"], body["last_id"]
+
+
+async def _first_chunk(client: httpx.AsyncClient, url: str, model: str,
+                       prompt: list[int]) -> float | None:
+    """Seconds from sending a one-token streamed request to its first chunk with a
+    choice (its token's text may be empty: a byte of a character), None if none came."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    sent = time.perf_counter()
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")[:300]
+            raise ConfigError(f"{url}: /v1/completions answered {r.status_code}: {text}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and \
+                    json.loads(line[6:]).get("choices"):
+                return time.perf_counter() - sent
+    return None

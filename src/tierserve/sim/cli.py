@@ -90,6 +90,9 @@ def cmd_sim(args) -> int:
         if args.kv_cache_dtype != "auto":
             raise TierserveError("--kv-cache-dtype does not apply to --schedule: a schedule "
                                  "replays the machines it names")
+        if args.way_in_s is not None:
+            raise TierserveError("--way-in-s does not apply to --schedule: a schedule "
+                                 "replays the machines it names")
 
         return replay(args)
     slo = parse_slo(args.slo)
@@ -98,7 +101,7 @@ def cmd_sim(args) -> int:
     machine = machine_for(resolve(args.model), args.hardware, args.tp, args.dtype_bytes,
                           args.block_size, args.num_kv_blocks, args.machine_price_per_hour,
                           args.step_time_profile, args.kv_cache_memory_gb,
-                          args.kv_cache_dtype)
+                          args.kv_cache_dtype, args.way_in_s)
     policy, deployment = resolve_policy(args.policy, args.deployment)
     if args.report == "fast-vs-batch":
         return _fast_vs_batch(args, machine, policy)
@@ -127,7 +130,8 @@ def cmd_sim(args) -> int:
     desc = (f"--workload {args.workload} --model {args.model} --hardware {machine.hardware} "
             f"x{args.tp} --policy {policy} --max-num-seqs {args.max_num_seqs} "
             f"--max-num-batched-tokens {args.max_num_batched_tokens} {fleet.describe()} "
-            f"kv_blocks={machine.num_blocks} price=${machine.price_per_hour}/h per replica")
+            f"kv_blocks={machine.num_blocks} price=${machine.price_per_hour}/h per replica"
+            + (f" way_in={machine.way_in_s * 1e3:.1f}ms" if machine.way_in_s else ""))
     summary = summarize(result, slo)
     print(render(summary, desc, args.format))
     if args.plot:
@@ -298,6 +302,11 @@ def add_parsers(sub) -> None:
                           "--hardware")
     sim.add_argument("--step-time-profile", default=None,
                      help="a `tierserve calibrate` JSON instead of the roofline (cpu-local)")
+    sim.add_argument("--way-in-s", type=float, default=None, metavar="SECONDS",
+                     help="what a request spends outside a replica's steps (HTTP in and "
+                          "out, a gateway's hop), added to its TTFT and end-to-end time "
+                          "(default: the profile's way_in_s, which `calibrate --backend URL "
+                          "--from-steps` measures; else 0)")
     _add_model_args(sim)
     sim.add_argument("--policy", default="tiered",
                      choices=["tiered", "priority", "fcfs", "shared", "dedicated"],

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from tierserve.config import SchedulerConfig
-from tierserve.core.step_time import StepTimeModel
+from tierserve.core.step_time import StepTimeModel, load_way_in_s
 from tierserve.core.tier_rules import priority_cap_s
 from tierserve.errors import ConfigError
 from tierserve.router.flow import FlowConfig
@@ -41,24 +41,32 @@ class Machine:
     max_model_len: int
     price_per_hour: float
     """USD per hour of the replica (all its tensor-parallel devices)."""
+    way_in_s: float = 0.0
+    """What a request spends outside the replica's steps (sim/loop.py's Replica)."""
 
 
 def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int = 2,
                 block_size: int = 16, num_kv_blocks: int | None = None,
                 price_per_hour: float | None = None, step_time_profile: str | None = None,
-                kv_cache_memory_gb: float = 1.0, kv_cache_dtype: str = "auto") -> Machine:
+                kv_cache_memory_gb: float = 1.0, kv_cache_dtype: str = "auto",
+                way_in_s: float | None = None) -> Machine:
     """A replica of `shape` (model.shapes.ModelShape) on `hardware` x `tp`: the roofline
     step-time model (or a calibrated profile, cpu-local) and a KV pool of what the memory
     holds after the weights (or `num_kv_blocks`), its blocks sized for `kv_cache_dtype`
     (auto: the compute dtype; int8: a byte a value and a float32 scale per token and KV
-    head, the engine's --kv-cache-dtype int8)."""
+    head, the engine's --kv-cache-dtype int8). `way_in_s`: a request's time outside the
+    steps; default: the profile's measured `way_in_s` where it has one, else none."""
     from tierserve.metering.prices import machine_price
     from tierserve.hardware.roofline import load_hardware, roofline
 
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
+    if way_in_s is not None and not way_in_s >= 0:
+        raise ConfigError(f"the way in must be >= 0 seconds, got {way_in_s}")
     if step_time_profile:
         model, name, mem_gb = StepTimeModel.load(step_time_profile), "cpu-local", None
+        if way_in_s is None:
+            way_in_s = load_way_in_s(step_time_profile)
     else:
         hw = load_hardware(hardware)
         model, name, mem_gb = roofline(shape, hw, dtype_bytes, tp, kv_cache_dtype), hw.name, \
@@ -78,7 +86,7 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
         num_blocks = int(kv_cache_memory_gb * 2**30 // kv_block)
     return Machine(name, model, num_blocks, block_size,
                    min(shape.max_position_embeddings, num_blocks * block_size),
-                   machine_price(name, price_per_hour) * tp)
+                   machine_price(name, price_per_hour) * tp, way_in_s or 0.0)
 
 
 def step_time_limit(model: StepTimeModel, slo: dict, override: float | None = None) -> float:
@@ -164,24 +172,26 @@ def make_simulator(machine: Machine, config: SchedulerConfig, fleet: FleetConfig
     if fleet.replicas == 1 and fleet.router != "gateway":
         return Simulator(config, m.num_blocks, m.block_size, m.max_model_len, steps,
                          m.price_per_hour, step_time_limit_s=limit_s or None,
-                         progress=progress, plan_model=plan)
+                         progress=progress, plan_model=plan, way_in_s=m.way_in_s)
     replicas = []
     if fleet.deployment == "dedicated":
         fast = replace(config, max_num_seqs=fleet.dedicated_max_num_seqs, policy="fcfs",
                        reserved_priority_seqs=0)
         replicas += [Replica(fast, m.num_blocks, m.block_size, m.max_model_len, steps,
                              m.price_per_hour, reserved_fraction=1.0, name=f"fast{i}",
-                             tiers=frozenset({"priority"}), plan_model=plan)
+                             tiers=frozenset({"priority"}), plan_model=plan,
+                             way_in_s=m.way_in_s)
                      for i in range(fleet.dedicated_replicas)]
         others = frozenset({"default", "flex", "batch"})
         replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, steps,
                              m.price_per_hour, name=f"main{i}", tiers=others,
-                             plan_model=plan)
+                             plan_model=plan, way_in_s=m.way_in_s)
                      for i in range(fleet.replicas - fleet.dedicated_replicas)]
     else:
         replicas += [Replica(config, m.num_blocks, m.block_size, m.max_model_len, steps,
                              m.price_per_hour, step_time_limit_s=limit_s or None,
-                             name=f"r{i}", plan_model=plan) for i in range(fleet.replicas)]
+                             name=f"r{i}", plan_model=plan, way_in_s=m.way_in_s)
+                     for i in range(fleet.replicas)]
     if fleet.router == "gateway":
         ttft, tpot = (slo or {}).get("priority") or (None, None)
         flow = FlowConfig(reserved_priority_seqs=fleet.reserved_priority_seqs,

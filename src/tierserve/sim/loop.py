@@ -42,7 +42,7 @@ from tierserve.router.flow import FlowConfig, Gateway, Pending, ReplicaState, pr
 from tierserve.sim.workload import ClosedLoop, SimRequest
 from tierserve.tiers import Tier
 
-STEP_DONE, ARRIVAL, WAKE = 0, 1, 2
+STEP_DONE, ARRIVAL, WAKE, REACH = 0, 1, 2, 3
 WAKE_SLACK_S = 1e-6  # wake just after the guard has run out
 TOKEN = 1  # every simulated output token; EOS is ignored
 
@@ -83,13 +83,21 @@ class Replica:
                  max_model_len: int, model: StepTimeModel, price_per_hour: float,
                  step_time_limit_s: float | None = None, enable_prefix_caching: bool = True,
                  reserved_fraction: float = 0.0, name: str = "r0",
-                 tiers: frozenset[str] | None = None, plan_model: StepTimeModel | None = None):
+                 tiers: frozenset[str] | None = None, plan_model: StepTimeModel | None = None,
+                 way_in_s: float = 0.0):
         """`model` gives each step's duration; `plan_model` (default: `model`) is what the
         scheduler plans with and the cost meter splits by, as an engine's calibration is.
         Given apart (an engine's forward-pass model beside a whole-step one), the
-        scheduler learns their measured/predicted ratio as the engine's does."""
+        scheduler learns their measured/predicted ratio as the engine's does.
+        `way_in_s`: what a request spends outside the steps (HTTP in and out, tokenizing,
+        streaming; `tierserve calibrate --backend URL --from-steps` measures it): a
+        request sent to this replica reaches its scheduler that much later, so its TTFT
+        and end-to-end time hold it, its TPOT not."""
         plan_model = plan_model or model
+        if not way_in_s >= 0:
+            raise ConfigError(f"way_in_s must be >= 0 seconds, got {way_in_s}")
         self.name = name
+        self.way_in_s = way_in_s
         self.tiers = tiers
         """Tiers a router may send here; None: every tier."""
         self.core = EngineCore(config, num_blocks, block_size, max_model_len,
@@ -145,10 +153,11 @@ class Simulator:
                  max_model_len: int, model: StepTimeModel, price_per_hour: float,
                  step_time_limit_s: float | None = None, enable_prefix_caching: bool = True,
                  reserved_fraction: float = 0.0, progress=None,
-                 plan_model: StepTimeModel | None = None):
+                 plan_model: StepTimeModel | None = None, way_in_s: float = 0.0):
         self._setup([Replica(config, num_blocks, block_size, max_model_len, model,
                              price_per_hour, step_time_limit_s, enable_prefix_caching,
-                             reserved_fraction, plan_model=plan_model)], None, progress)
+                             reserved_fraction, plan_model=plan_model, way_in_s=way_in_s)],
+                    None, progress)
 
     @classmethod
     def fleet(cls, replicas: list[Replica], router, progress=None,
@@ -218,6 +227,8 @@ class Simulator:
             self.clock.set(t)
             if kind == ARRIVAL:
                 self._arrive(*payload)
+            elif kind == REACH:
+                self._reach(*payload)
             elif kind == STEP_DONE:
                 done_before = len(self._done)
                 self._complete(*payload)
@@ -268,6 +279,13 @@ class Simulator:
         self._admit(replica, request, asked)
 
     def _admit(self, replica: Replica, request: Request, asked: Tier) -> None:
+        """`request` is sent to `replica`: its scheduler has it after the way in."""
+        if replica.way_in_s:
+            self._push(self.clock.now() + replica.way_in_s, REACH, (replica, request, asked))
+        else:
+            self._reach(replica, request, asked)
+
+    def _reach(self, replica: Replica, request: Request, asked: Tier) -> None:
         request.tier = replica.core.tier_map[asked]
         replica.add(request, asked)
 

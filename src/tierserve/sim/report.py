@@ -174,7 +174,7 @@ def fast_vs_batch(machine, batch_sizes: list[int], prompt_tokens: int = 512,
         config = SchedulerConfig(max_num_seqs=b, max_num_batched_tokens=max_num_batched_tokens,
                                  policy=policy)
         sim = Simulator(config, m.num_blocks, m.block_size, m.max_model_len, m.model,
-                        m.price_per_hour)
+                        m.price_per_hour, way_in_s=m.way_in_s)
         result = sim.run(ClosedLoop(b, [SimRequest(0.0, "default", prompt_tokens, output_tokens)
                                         for _ in range(b * rounds)]))
         s = summarize(result)
