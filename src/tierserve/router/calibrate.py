@@ -284,8 +284,9 @@ def measure_way_in(info: dict, say=lambda line: None,
         return out
 
     ttfts = asyncio.run(go())
-    records = [r for r in _steps(url, before)[0] if r["model"] == model]
-    probed = [r for r in records if r["after_idle"] and r["seqs"] == [[PROBE_TOKENS] * 2]]
+    records = _steps(url, before)[0]   # any model's: another engine's steps share the cores
+    probed = [r for r in records if r["model"] == model and r["after_idle"]
+              and r["seqs"] == [[PROBE_TOKENS] * 2]]
     if len(records) != probes or len(probed) != probes or None in ttfts:
         say(f"calibrate: the way in not measured: {len(records)} steps ran while {probes} "
             "probes were sent one by one (the replica has other traffic); give `sim "
