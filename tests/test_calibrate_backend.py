@@ -155,7 +155,7 @@ def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
         bad = subprocess.run([sys.executable, "-m", "tierserve.cli", "calibrate", "--backend",
                               srv.url, "--from-steps", "--repeats", "3"],
                              capture_output=True, text=True, timeout=60)
-        assert bad.returncode == 1 and "--from-steps sends none" in bad.stderr
+        assert bad.returncode == 1 and "--from-steps sends no grid" in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
     finally:
         srv.stop()

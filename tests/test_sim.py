@@ -338,14 +338,24 @@ def test_a_replicas_way_in_lengthens_ttft_and_end_to_end_by_itself_not_tpot(tmp_
     for a, b in zip(fleet.requests, fleet_late.requests):
         assert b.ttft_s == pytest.approx(a.ttft_s + 0.015)
         assert b.tpot_s == pytest.approx(a.tpot_s)
-    for bad in (-0.01, "fast", True):
+    for bad in (-0.01, "fast", True, float("inf")):
         profile.write_text(json.dumps({"step_time_model": asdict(MODEL), "way_in_s": bad}))
-        with pytest.raises(ConfigError, match="way_in_s must be a number of seconds >= 0"):
+        with pytest.raises(ConfigError, match="way_in_s must be a finite number of seconds >= 0"):
             machine_for(shape, step_time_profile=str(profile))
-    with pytest.raises(ConfigError, match="way in must be >= 0"):
-        machine_for(shape, "h100-sxm", way_in_s=-1)
+    for bad in (-1, float("inf")):
+        with pytest.raises(ConfigError, match="--way-in-s must be a finite number"):
+            machine_for(shape, "h100-sxm", way_in_s=bad)
     out = subprocess.run([sys.executable, "-m", "tierserve.cli", "sim", "--workload",
                           "poisson:rate=1,n=5", "--way-in-s", "-0.5"],
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1 and "way in must be >= 0" in out.stderr
+    assert out.returncode == 1 and "--way-in-s must be a finite number" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+    # a request on its way counts for the least-tokens router at once: a burst of two
+    # goes one to each replica, not both to the first while neither has arrived
+    MODEL.save(tmp_path / "q.json")
+    machine = machine_for(shape, step_time_profile=str(tmp_path / "q.json"), way_in_s=0.05)
+    sim = make_simulator(machine, SchedulerConfig(max_num_seqs=8), FleetConfig(
+        replicas=2, router="least-tokens"), 0.05)
+    result = sim.run([SimRequest(0.0, "default", 100, 10), SimRequest(0.0, "default", 100, 10)])
+    assert [len(r.request_ids) for r in result.replicas] == [1, 1]
+    assert len(result.requests) == 2

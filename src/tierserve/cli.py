@@ -1,4 +1,7 @@
-"""The `tierserve` command line. Every TierserveError becomes one line and exit code 1."""
+"""The `tierserve` command line. Every TierserveError becomes one line and exit code 1.
+
+Why one file of about 400 lines: every subcommand's parser sits beside its thin handler
+(the work is in the packages), so `--help` reads against the README in one place."""
 
 import argparse
 import functools
@@ -120,8 +123,8 @@ def _calibrate_backend(args) -> int:
                              "replica is timed as it runs (only --model, --out, --repeats, "
                              "--from-steps)")
     if args.from_steps and args.repeats is not None:
-        raise TierserveError("--repeats runs the timing grid again; --from-steps sends none "
-                             "(it fits the steps the replica recorded)")
+        raise TierserveError("--repeats runs the timing grid again; --from-steps sends no "
+                             "grid (it fits the steps the replica recorded)")
     say = (lambda line: print(line, file=sys.stderr))
     if args.from_steps:
         model, info = calibrate_from_steps(args.backend, args.model, say)
@@ -129,15 +132,13 @@ def _calibrate_backend(args) -> int:
     else:
         model, info = calibrate_backend(args.backend, args.model, _repeats(args), say)
         source = "streamed timings (tierserve calibrate --backend)"
-    way_in = {"way_in_s": round(info["way_in_s"], 5)} if info.get("way_in_s") is not None \
-        else {}
+    way = info.get("way_in_s")   # --from-steps' probes, where they could tell
     model.save(args.out, backend=info["url"], model=info["model"], kind=info["kind"],
-               source=source, records=info["records"],
-               median_error=round(info["median_error"], 4), **way_in)
+               source=source, records=info["records"], median_error=round(
+                   info["median_error"], 4), **({} if way is None else {"way_in_s": way}))
     print(f"{model.summary()}; median error on its {info['records']} records "
-          f"{info['median_error']:.1%}"
-          + (f"; the way in {info['way_in_s'] * 1e3:.1f} ms" if way_in else "")
-          + f"; wrote {args.out}")
+          f"{info['median_error']:.1%}{'' if way is None else f'; the way in {way * 1e3:.1f} ms'}"
+          f"; wrote {args.out}")
     return 0
 
 
@@ -324,8 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "served its traffic (GET /tierserve/v1/steps; a step timed from "
                           "the end of a busy one before, so the server's turn between "
                           "steps is in it), prompt chunks beside decodes included; then 8 "
-                          "one-token probes measure the way in (HTTP, tokenizing, the "
-                          "stream back), which the profile keeps as way_in_s for `sim`")
+                          "one-token probes measure the way in (the profile's way_in_s)")
     add_engine_args(cal)
     cal.set_defaults(func=cmd_calibrate)
 

@@ -39,6 +39,7 @@ NOTE: the model
 """
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -160,8 +161,10 @@ def load_way_in_s(path: str | Path) -> float:
         value = json.loads(Path(path).read_text()).get("way_in_s", 0.0)
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{path}: way_in_s must be a number of seconds >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 <= value < math.inf:
+        raise ConfigError(f"{path}: way_in_s must be a finite number of seconds >= 0, got "
+                          f"{value!r}")
     return float(value)
 
 

@@ -257,7 +257,11 @@ def calibrate_from_steps(url: str, model: str | None = None, say=lambda line: No
                           "first (a gateway records none: give a replica's URL)")
     say(f"calibrate: {len(records)} step records from {info['url']}")
     fitted = _fit(records, info, chunk_term=True)
-    info["way_in_s"] = measure_way_in(info, say)
+    try:
+        info["way_in_s"] = measure_way_in(info, say)
+    except ConfigError as exc:   # the fit stands without it
+        say(f"calibrate: the way in not measured: {exc}")
+        info["way_in_s"] = None
     return fitted
 
 
@@ -269,11 +273,12 @@ def measure_way_in(info: dict, say=lambda line: None,
                    probes: int = WAY_IN_PROBES) -> float | None:
     """What a request to the replica spends outside its steps (see the note on the way
     in), in seconds: `probes` one-token requests one after another, each its time to the
-    first token less the step the replica recorded for it; the median. None (and says
-    why) where the replica ran other steps meanwhile: it has traffic of its own."""
+    first token less the step the replica recorded for it; the median. None, and says
+    why, where it cannot be told: other steps ran meanwhile (the replica has traffic of
+    its own), a probe failed, or a probe's step is not one whole prompt after idle."""
     url, model = info["url"], info["model"]
     before = _steps(url, 2**62)[1]
-    rng = random.Random(1)
+    rng = random.Random(before)   # other prompts each time: no prefix-cache hit
 
     async def go() -> list[float | None]:
         out = []
@@ -283,14 +288,27 @@ def measure_way_in(info: dict, say=lambda line: None,
                 out.append(await _first_chunk(client, url, model, prompt))
         return out
 
-    ttfts = asyncio.run(go())
+    def missed(why: str) -> None:
+        say(f"calibrate: the way in not measured: {why}; give `sim --way-in-s` yourself")
+
+    try:
+        ttfts = asyncio.run(go())
+    except (httpx.HTTPError, ConfigError) as exc:
+        missed(f"a probe failed ({type(exc).__name__}: {str(exc)[:200]})")
+        return None
+    if None in ttfts:
+        missed("a probe's stream ended without a token")
+        return None
     records = _steps(url, before)[0]   # any model's: another engine's steps share the cores
+    if len(records) != probes:
+        missed(f"{len(records)} steps ran while {probes} probes were sent one by one (the "
+               "replica has other traffic)")
+        return None
     probed = [r for r in records if r["model"] == model and r["after_idle"]
               and r["seqs"] == [[PROBE_TOKENS] * 2]]
-    if len(records) != probes or len(probed) != probes or None in ttfts:
-        say(f"calibrate: the way in not measured: {len(records)} steps ran while {probes} "
-            "probes were sent one by one (the replica has other traffic); give `sim "
-            "--way-in-s` yourself")
+    if len(probed) != probes:
+        missed(f"{probes - len(probed)} of the probes' steps were not one whole "
+               f"{PROBE_TOKENS}-token prompt after idle")
         return None
     way_in = statistics.median(t - r["seconds"] for t, r in zip(ttfts, probed))
     say(f"calibrate: the way in {way_in * 1e3:.1f} ms (median of {probes} probes: time to "

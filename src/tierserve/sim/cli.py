@@ -1,7 +1,7 @@
 """The simulator's commands: `tierserve sim` (one engine or a fleet; `--report
 fast-vs-batch`) and `tierserve plan` (the capacity planner built on it).
 
-About 410 lines, kept whole: the two commands share their model and machine flags
+About 430 lines, kept whole: the two commands share their model and machine flags
 (`_add_model_args`) and the rules for which flags a mode refuses (--schedule, --hybrid,
 --forecast), which read best beside each other."""
 
@@ -155,7 +155,8 @@ def _fast_vs_batch(args, machine, policy: str) -> int:
           "time", file=sys.stderr)
     desc = (f"--model {args.model} --hardware {machine.hardware} x{args.tp} "
             f"(${machine.price_per_hour}/h) prompt {args.prompt_tokens} output "
-            f"{args.output_tokens} max_num_batched_tokens {args.max_num_batched_tokens}")
+            f"{args.output_tokens} max_num_batched_tokens {args.max_num_batched_tokens}"
+            + (f" way_in={machine.way_in_s * 1e3:.1f}ms" if machine.way_in_s else ""))
     print(render_fast_vs_batch(report, desc, args.format))
     return 0
 
@@ -400,7 +401,8 @@ def add_parsers(sub) -> None:
     h.add_argument("--hard-share", type=float, default=0.3)
     h.add_argument("--hybrid-profiles", default=None, metavar="SMALL.json,LARGE.json",
                    help="`tierserve calibrate` files of the two models on this CPU (the "
-                        "pools are cpu-local machines) instead of --hardware's rooflines")
+                        "pools are cpu-local machines) instead of --hardware's rooflines; "
+                        "a file's way_in_s (from --from-steps) is added to its TTFTs")
     h.add_argument("--hybrid-price-per-hour", type=float, default=None,
                    help="with --hybrid-profiles: USD per hour of one replica's machine")
     h.add_argument("--hybrid-output-tokens", type=int, default=None,

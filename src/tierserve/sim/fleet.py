@@ -16,6 +16,7 @@ NOTE: routing
     much as many short ones. Neither looks at the request's own length.
 """
 
+import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -61,8 +62,9 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
 
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
-    if way_in_s is not None and not way_in_s >= 0:
-        raise ConfigError(f"the way in must be >= 0 seconds, got {way_in_s}")
+    if way_in_s is not None and not 0 <= way_in_s < math.inf:
+        raise ConfigError(f"--way-in-s must be a finite number of seconds >= 0, got "
+                          f"{way_in_s}")
     if step_time_profile:
         model, name, mem_gb = StepTimeModel.load(step_time_profile), "cpu-local", None
         if way_in_s is None:

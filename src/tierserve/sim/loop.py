@@ -24,6 +24,7 @@ NOTE: the loop
 
 import heapq
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -94,8 +95,9 @@ class Replica:
         request sent to this replica reaches its scheduler that much later, so its TTFT
         and end-to-end time hold it, its TPOT not."""
         plan_model = plan_model or model
-        if not way_in_s >= 0:
-            raise ConfigError(f"way_in_s must be >= 0 seconds, got {way_in_s}")
+        if not 0 <= way_in_s < math.inf:
+            raise ConfigError(f"way_in_s must be a finite number of seconds >= 0, got "
+                              f"{way_in_s}")
         self.name = name
         self.way_in_s = way_in_s
         self.tiers = tiers
@@ -134,12 +136,18 @@ class Replica:
                         for r in self.scheduler.running)
         return self._open_tokens - prefilled
 
-    def add(self, request: Request, asked: Tier | None = None) -> RequestStats:
-        stats = self.core.add(request, asked)
+    def send(self, request: Request) -> None:
+        """`request` is on its way here: a router counts it from now on, while the
+        scheduler gets it after the way in (`add`)."""
         self.request_ids.append(request.request_id)
         self._tokens_of[request.request_id] = request.num_prompt_tokens + request.max_tokens
         self._open_tokens += request.num_prompt_tokens + request.max_tokens
-        return stats
+
+    def add(self, request: Request, asked: Tier | None = None) -> RequestStats:
+        """The scheduler has `request` (sent here before, or now)."""
+        if request.request_id not in self._tokens_of:
+            self.send(request)
+        return self.core.add(request, asked)
 
     def forget(self, request_id: str, num_output_tokens: int) -> None:
         """A request finished: it no longer counts as outstanding."""
@@ -279,8 +287,10 @@ class Simulator:
         self._admit(replica, request, asked)
 
     def _admit(self, replica: Replica, request: Request, asked: Tier) -> None:
-        """`request` is sent to `replica`: its scheduler has it after the way in."""
+        """`request` is sent to `replica` (a router counts it at once): its scheduler has
+        it after the way in."""
         if replica.way_in_s:
+            replica.send(request)
             self._push(self.clock.now() + replica.way_in_s, REACH, (replica, request, asked))
         else:
             self._reach(replica, request, asked)
