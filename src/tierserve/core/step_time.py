@@ -161,10 +161,15 @@ def load_way_in_s(path: str | Path) -> float:
         value = json.loads(Path(path).read_text()).get("way_in_s", 0.0)
     except (OSError, ValueError, AttributeError) as exc:
         raise ConfigError(f"cannot read a step-time profile from {path}: {exc}") from None
+    return check_way_in(value, f"{path}: way_in_s")
+
+
+def check_way_in(value, name: str) -> float:
+    """`value` as seconds of the way in, or a ConfigError naming `name` where it is not a
+    finite number >= 0 (a profile's field, `sim --way-in-s`, a simulated replica's)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not 0 <= value < math.inf:
-        raise ConfigError(f"{path}: way_in_s must be a finite number of seconds >= 0, got "
-                          f"{value!r}")
+        raise ConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 
 

@@ -16,12 +16,11 @@ NOTE: routing
     much as many short ones. Neither looks at the request's own length.
 """
 
-import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
 from tierserve.config import SchedulerConfig
-from tierserve.core.step_time import StepTimeModel, load_way_in_s
+from tierserve.core.step_time import StepTimeModel, check_way_in, load_way_in_s
 from tierserve.core.tier_rules import priority_cap_s
 from tierserve.errors import ConfigError
 from tierserve.router.flow import FlowConfig
@@ -62,9 +61,8 @@ def machine_for(shape, hardware: str = "h100-sxm", tp: int = 1, dtype_bytes: int
 
     if tp < 1:
         raise ConfigError(f"tp must be >= 1, got {tp}")
-    if way_in_s is not None and not 0 <= way_in_s < math.inf:
-        raise ConfigError(f"--way-in-s must be a finite number of seconds >= 0, got "
-                          f"{way_in_s}")
+    if way_in_s is not None:
+        check_way_in(way_in_s, "--way-in-s")
     if step_time_profile:
         model, name, mem_gb = StepTimeModel.load(step_time_profile), "cpu-local", None
         if way_in_s is None:

@@ -24,7 +24,6 @@ NOTE: the loop
 
 import heapq
 import itertools
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -36,7 +35,7 @@ from tierserve.core.engine_core import EngineCore
 from tierserve.core.request import NO_OWNER, Owner, Request
 from tierserve.core.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from tierserve.core.stats import RequestStats
-from tierserve.core.step_time import StepTimeModel
+from tierserve.core.step_time import StepTimeModel, check_way_in
 from tierserve.errors import ConfigError
 from tierserve.metering.cost import CostMeter
 from tierserve.router.flow import FlowConfig, Gateway, Pending, ReplicaState, prefix_keys
@@ -95,11 +94,8 @@ class Replica:
         request sent to this replica reaches its scheduler that much later, so its TTFT
         and end-to-end time hold it, its TPOT not."""
         plan_model = plan_model or model
-        if not 0 <= way_in_s < math.inf:
-            raise ConfigError(f"way_in_s must be a finite number of seconds >= 0, got "
-                              f"{way_in_s}")
         self.name = name
-        self.way_in_s = way_in_s
+        self.way_in_s = check_way_in(way_in_s, "way_in_s")
         self.tiers = tiers
         """Tiers a router may send here; None: every tier."""
         self.core = EngineCore(config, num_blocks, block_size, max_model_len,
