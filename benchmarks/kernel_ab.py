@@ -12,9 +12,10 @@ alternate A and B (and which goes first), `--calls` timed calls each, so a noisy
 hits both alike: on the shared 2-vCPU machines the same step moves 20% from one minute to
 the next, more than most kernel changes. Prints whether the outputs are equal and one line
 with the medians and B/A. `--part int4` times only the model's 4-bit layers (int4_matmul
-over its 120 weights) at `--streams` rows of random input, A and B alike: two builds of
-the same source here differed by up to 10% on the whole step (code placement), so a change
-to one kernel is best judged on that kernel too. `--part attention` times only the paged
+over its 120 weights; torch's int4 kernel for a version with none for this CPU) at
+`--streams` rows of random input, A and B alike: two builds of the same source here
+differed by up to 10% on the whole step (code placement), so a change to one kernel is
+best judged on that kernel too. `--part attention` times only the paged
 decode attention of every layer at `--streams` sequences of `--context` tokens, the blocks
 of each sequence scattered over the cache as after hours of traffic, and between layers a
 read of as many other bytes as a layer's weights, a different slice for each layer (what
@@ -99,15 +100,22 @@ def int4_layers(versions: dict, engine, args, cpu: str) -> int:
     layers = [lin for layer in engine.runner.model.layers
               for lin in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                           layer.mlp.down_proj) if getattr(lin, "bits", None) == 4]
-    if not layers or not versions["B"].int4_vnni:
-        print("kernel_ab: --part int4 needs 4-bit layers (gguf) and AVX-512 VNNI",
-              file=sys.stderr)
+    def has_kernel(m) -> bool:      # int4_kernel since AVX2 has one; int4_vnni before
+        return bool(getattr(m, "int4_kernel", getattr(m, "int4_vnni", False)))
+
+    if not layers or not has_kernel(versions["B"]):
+        print("kernel_ab: --part int4 needs 4-bit layers (gguf) and a 4-bit kernel "
+              "(AVX-512 VNNI or AVX2)", file=sys.stderr)
         return 1
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(args.streams, lin.group_size * lin.scales.size(0), generator=gen,
                       dtype=torch.bfloat16) for lin in layers]
 
-    def run(m):
+    def run(m):   # a version without a kernel for this CPU: torch's, as its lean step ran
+        if not has_kernel(m):
+            return [torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, lin.group_size,
+                                                               lin.scales)
+                    for x, lin in zip(xs, layers)]
         return [m.int4_matmul(x, lin.weight, lin.scales, lin.group_size)
                 for x, lin in zip(xs, layers)]
 
@@ -121,7 +129,8 @@ def int4_layers(versions: dict, engine, args, cpu: str) -> int:
                 times[k].append(time.perf_counter() - begin)
     a, b = (statistics.median(times[k]) * 1e3 for k in "AB")
     print(f"kernel_ab cpu='{cpu}' quantization={args.quantization} part=int4 layers="
-          f"{len(layers)} rows={args.streams} rev={args.rev} outputs_equal={same} | "
+          f"{len(layers)} rows={args.streams} rev={args.rev} outputs_equal={same} "
+          f"A_kernel={'ours' if has_kernel(versions['A']) else 'torch'} | "
           f"ms A {a:.3f} B {b:.3f} B/A {b / a:.3f}")
     return 0
 

@@ -25,8 +25,8 @@ def _int4_layer(n: int, k: int, seed: int):
     return layer, w
 
 
-vnni = pytest.mark.skipif(not getattr(kernels.load(), "int4_vnni", False),
-                          reason="the 4-bit kernel needs AVX-512 VNNI")
+vnni = pytest.mark.skipif(not getattr(kernels.load(), "int4_kernel", False),
+                          reason="the 4-bit kernel needs AVX-512 VNNI or AVX2")
 
 
 @vnni
@@ -81,6 +81,21 @@ def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(outputs, rows
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     exact = x.double() @ w.t()
     assert float((results[0].double() - exact).norm() / exact.norm()) < 0.01
+
+
+@pytest.mark.skipif(not getattr(kernels.load(), "int4_kernel", False)
+                    or getattr(kernels.load(), "int4_vnni", True),
+                    reason="float32 scales are taken by the AVX2 kernel only")
+@pytest.mark.parametrize("rows", [1, 6])
+def test_an_avx2_4_bit_product_in_float32_is_the_bfloat16_one_before_its_rounding(rows):
+    """Where bfloat16 does not compute (AVX2), x and the scales may be float32: the same
+    int8 inputs and sums, so the float32 outputs round to the bfloat16 ones exactly."""
+    layer, w = _int4_layer(128, 6 * GROUP_SIZE, seed=rows)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(9)).bfloat16()
+    k = kernels.load()
+    half = k.int4_matmul(x, layer.weight, layer.scales, layer.group_size)
+    full = k.int4_matmul(x.float(), layer.weight, layer.scales.float(), layer.group_size)
+    assert full.dtype == torch.float32 and torch.equal(full.bfloat16(), half)
 
 
 @vnni

@@ -399,6 +399,198 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
   });
 }
 
+#endif
+
+#if !defined(TIERSERVE_VNNI) && defined(__AVX2__) && defined(__FMA__)
+#define TIERSERVE_INT4_AVX2 1
+// AVX2 without VNNI (Zen 2 and 3, most Intel client cores): the same integer dot products
+// with vpmaddubsw (pairs of u4 x s8 products, summed to int16) and vpmaddwd, on torch's
+// AVX2 packing, whose blocks hold 32 outputs (16 bytes per block and input: outputs
+// 0..15 in the low nibbles, 16..31 in the high ones). Eight consecutive inputs are taken
+// at once, the first four in each 32-bit lane's low 128 bits and the next four in the high
+// ones, so that after a group the two halves add up to outputs in their own order and the
+// scales need no permuting. A group's int16 sums cannot overflow: at most 64 inputs is 8
+// steps of two products of at most 15 x 128.
+constexpr int64_t MAX_GROUP = 64;
+constexpr int64_t PF = 8;   // groups read ahead, as int4_rows_vnni (PREFETCH)
+constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
+
+static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8(const at::BFloat16* x) {   // bf16 -> float32: a shift, exact
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// x [M, K] rounded to int8 per group as the VNNI quantize_rows rounds it: xq, its scale d
+// per group and d times the sum of the group's xq.
+template <typename X>
+static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_t m,
+                          int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const X* xg = x + r * k + g * group;
+        __m256 amax = _mm256_setzero_ps();
+        for (int64_t i = 0; i < group; i += 8)
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, load8(xg + i)));
+        __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+        const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+        const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+        __m256i sum = _mm256_setzero_si256();
+        int8_t* out = xq + r * k + g * group;
+        for (int64_t i = 0; i < group; i += 8) {
+          const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xg + i), inv));  // nearest even
+          sum = _mm256_add_epi32(sum, q);
+          const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packs_epi16(q16, q16));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        dx[r * groups + g] = top / 127.f;
+        xsum[r * groups + g] = top / 127.f * static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+  });
+}
+
+// Eight consecutive inputs' weights of one block (8 x 16 bytes) as eight vectors of u8,
+// each 32-bit lane one output's four inputs (0-3 in the low 128 bits, 4-7 in the high):
+// w[j] holds outputs 4j..4j+3 (j < 4, low nibbles) or 16 + 4(j - 4).. (high nibbles).
+static inline void unpack8(const uint8_t* src, __m256i* w) {
+  const __m128i* c = reinterpret_cast<const __m128i*>(src);
+  const auto pair = [&](int lo, int hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(c + lo)),
+                                   _mm_loadu_si128(c + hi), 1);
+  };
+  const __m256i p = pair(0, 4), q = pair(1, 5), r = pair(2, 6), t = pair(3, 7);
+  const __m256i a0 = _mm256_unpacklo_epi8(p, q), a1 = _mm256_unpackhi_epi8(p, q);
+  const __m256i b0 = _mm256_unpacklo_epi8(r, t), b1 = _mm256_unpackhi_epi8(r, t);
+  const __m256i v[4] = {_mm256_unpacklo_epi16(a0, b0), _mm256_unpackhi_epi16(a0, b0),
+                        _mm256_unpacklo_epi16(a1, b1), _mm256_unpackhi_epi16(a1, b1)};
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    w[j] = _mm256_and_si256(v[j], low);
+    w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low);
+  }
+}
+
+// s and (z - 8 s) of eight consecutive outputs, from their (s, z) pairs.
+template <typename T>
+static inline void scales8(const T* pairs, __m256* s, __m256* z) {
+  const __m256 a = load8(pairs), b = load8(pairs + 8);
+  const __m256 sv = _mm256_castpd_ps(_mm256_permute4x64_pd(
+      _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+  const __m256 zv = _mm256_castpd_ps(_mm256_permute4x64_pd(
+      _mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+  *s = sv;
+  *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
+}
+
+// R rows of x (1-4) against one block of 32 outputs, unpacked in registers as it is read
+// (PRE: read from unpack_block's copy). HALF 0: the block's 32 outputs; 1 and 2: only its
+// first or last 16. out: R x 32 floats. Each row's sums are its own (integer sums, then the
+// same float operations in the same order), so a row's outputs do not depend on the rows
+// computed beside it, nor on whether the block was unpacked before.
+template <int R, int HALF, bool PRE, typename T>
+static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
+                           const uint8_t* blk, const T* sz, float* out, int64_t n, int64_t k,
+                           int64_t group, const __m256* pre_sz = nullptr) {
+  constexpr int J0 = HALF == 2 ? 4 : 0, J1 = HALF == 1 ? 4 : 8;
+  const int64_t groups = k / group;
+  const __m256i ones = _mm256_set1_epi16(1), spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  __m256 tot[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    if (!PRE) {   // the group PF ahead (its codes, then its scales), as int4_rows_vnni
+      const int64_t ahead = g + PF;
+      const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
+      for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
+      if (ahead < 2 * groups) {
+        const char* z = reinterpret_cast<const char*>(
+            ahead < groups ? sz + ahead * n * 2 : sz + ((ahead - groups) * n + 32) * 2);
+        for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
+          _mm_prefetch(z + l, _MM_HINT_T1);
+      }
+    }
+    __m256i acc[R][8];
+    for (int r = 0; r < R; ++r)
+      for (int j = J0; j < J1; ++j) acc[r][j] = _mm256_setzero_si256();
+    for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+      __m256i w[8];
+      if (PRE)
+        for (int j = J0; j < J1; ++j)
+          w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk) + i + j);
+      else
+        unpack8(blk + i * 16, w);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_permutevar8x32_epi32(
+            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xq + r * k + i))),
+            spread);
+        for (int j = J0; j < J1; ++j)
+          acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(w[j], xv));
+      }
+    }
+    for (int v = J0 / 2; v < J1 / 2; ++v) {   // outputs 8v..8v+7: acc 2v and 2v + 1
+      __m256 s, z;
+      if (PRE) {
+        s = pre_sz[(g * 4 + v) * 2];
+        z = pre_sz[(g * 4 + v) * 2 + 1];
+      } else {
+        scales8(sz + g * n * 2 + 16 * v, &s, &z);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i a = _mm256_madd_epi16(acc[r][2 * v], ones);
+        const __m256i b = _mm256_madd_epi16(acc[r][2 * v + 1], ones);
+        const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                                             _mm256_permute2x128_si256(a, b, 0x31));
+        tot[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g])),
+                                    _mm256_cvtepi32_ps(sum),
+                                    _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[r * groups + g]),
+                                                    tot[r][v]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = J0 / 2; v < J1 / 2; ++v) _mm256_storeu_ps(out + r * 32 + 8 * v, tot[r][v]);
+}
+
+// int4_rows_avx2 for m rows (1-4) and a half, the block read as packed.
+template <typename T>
+static void rows_dispatch(int64_t m, int half, const int8_t* xq, const float* dx,
+                          const float* xs, const uint8_t* blk, const T* bsz, float* out,
+                          int64_t n, int64_t k, int64_t group) {
+#define TS_ROWS(R)                                                                       \
+  switch (half) {                                                                        \
+    case 0: int4_rows_avx2<R, 0, false>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
+    case 1: int4_rows_avx2<R, 1, false>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
+    default: int4_rows_avx2<R, 2, false>(xq, dx, xs, blk, bsz, out, n, k, group);        \
+  }
+  switch (m) {
+    case 1: TS_ROWS(1) break;
+    case 2: TS_ROWS(2) break;
+    case 3: TS_ROWS(3) break;
+    default: TS_ROWS(4)
+  }
+#undef TS_ROWS
+}
+
+// A block's codes unpacked once (unpack8's vectors for every eight inputs: twice the
+// block's bytes), and its scales as scales8 gives them (s, z - 8 s for each group and
+// eight outputs), for the rows of a wide x to read in turn.
+template <typename T>
+static void unpack_block(const uint8_t* blk, const T* sz, int64_t n, int64_t k, int64_t group,
+                         __m256i* w, __m256* sc) {
+  for (int64_t i = 0; i < k; i += 8) unpack8(blk + i * 16, w + i);
+  for (int64_t g = 0; g < k / group; ++g)
+    for (int v = 0; v < 4; ++v) scales8(sz + g * n * 2 + 16 * v, sc + (g * 4 + v) * 2, sc + (g * 4 + v) * 2 + 1);
+}
+#endif
+
+#if defined(TIERSERVE_VNNI) || defined(TIERSERVE_INT4_AVX2)
 // quantize_rows on a tensor: bfloat16 read in place, any other dtype through float32.
 static void quantize_input(const at::Tensor& x, int8_t* xq, float* dx, float* xsum, int64_t m,
                            int64_t k, int64_t group) {
@@ -411,16 +603,91 @@ static void quantize_input(const at::Tensor& x, int8_t* xq, float* dx, float* xs
 }
 #endif
 
+// Outputs per block of torch's CPU int4 packing in this process: it follows the CPU
+// capability ATen dispatches to at run time (64 with AVX-512, 32 with AVX2; the
+// ATEN_CPU_CAPABILITY variable can lower it), so it is asked of torch itself, once.
+static int64_t int4_pack_block() {
+  static const int64_t block = [] {
+    // output r's every code is r / 16: the first byte pairs output 0 with output 32 (0x20)
+    // in 64-output blocks, with output 16 (0x10) in 32-output ones
+    const at::Tensor codes = at::floor_divide(at::arange(64, at::TensorOptions().dtype(at::kInt)), 16)
+                                 .unsqueeze(1).expand({64, 64}).contiguous();
+    const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
+    const uint8_t first = packed.data_ptr<uint8_t>()[0];
+    return first == 0x20 ? int64_t{64} : first == 0x10 ? int64_t{32} : int64_t{0};
+  }();
+  return block;
+}
+
 // Whether int4_matmul computes this layer: built with AVX-512 VNNI, bfloat16 (s, z) pairs,
-// groups of 16..64 inputs. Elsewhere the lean step keeps torch's int4 kernel (few rows) and
-// dequantize-then-matmul (many).
+// groups of 16..64 inputs, torch packing 64 outputs a block; or built with AVX2 (no VNNI),
+// bfloat16 or float32 pairs, groups of 8..64, torch packing 32 a block. Elsewhere the lean
+// step keeps torch's int4 kernel (few rows) and dequantize-then-matmul (many).
 static bool int4_fast(const at::Tensor& sz, int64_t group) {
-#ifdef TIERSERVE_VNNI
-  return sz.scalar_type() == at::kBFloat16 && group % 16 == 0 && group <= MAX_GROUP;
+#if defined(TIERSERVE_VNNI)
+  return sz.scalar_type() == at::kBFloat16 && group % 16 == 0 && group <= MAX_GROUP &&
+         int4_pack_block() == 64;
+#elif defined(TIERSERVE_INT4_AVX2)
+  return (sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat) &&
+         group % 8 == 0 && group <= MAX_GROUP && int4_pack_block() == 32;
 #else
   return false;
 #endif
 }
+
+#if defined(TIERSERVE_INT4_AVX2)
+// int4_matmul on AVX2: threads take halves of blocks (16 outputs each) as the VNNI kernel
+// does at one to four rows (BALANCE: a block's two halves that one thread takes go to one
+// call), and go over every row of x, four at a time, for each: a block's bytes (9-24 KB
+// in SmolLM2-135M's layers) stay in L1 for all of them.
+template <typename T, typename Y>
+static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
+                             const uint8_t* cp, const T* zp, Y* yp, int64_t m, int64_t n,
+                             int64_t k, int64_t group) {
+  const int64_t nb = n / 32, groups = k / group;
+  at::parallel_for(0, 2 * nb, 1, [&](int64_t i0, int64_t i1) {
+    float out[4 * 32];
+    std::vector<__m256i> w(m > PACKED_ROWS ? k : 0);
+    std::vector<__m256> sc(m > PACKED_ROWS ? k / group * 8 : 0);
+    for (int64_t i = i0; i < i1;) {
+      const int64_t b = i / 2, e = std::min(i1, 2 * b + 2);
+      const int half = e - i == 2 ? 0 : (i % 2 == 0 ? 1 : 2);
+      const int64_t o0 = half == 2 ? 16 : 0, width = half == 0 ? 32 : 16;
+      const uint8_t* blk = cp + b * k * 16;
+      const T* bsz = zp + b * 32 * 2;
+      if (m <= PACKED_ROWS) {
+        rows_dispatch(m, half, xq, dx, xs, blk, bsz, out, n, k, group);
+        for (int64_t r = 0; r < m; ++r)
+          narrow(out + r * 32 + o0, yp + r * n + b * 32 + o0, width);
+        i = e;
+        continue;
+      }
+      // WIDE: more rows take the block unpacked once, then two rows and 16 outputs at a
+      // time, their sums in registers (four rows over the packed block kept 32 vectors of
+      // sums and spilled them: 1.6-1.7x torch's int4 kernel at 8-256 rows, against 2.9x
+      // at one)
+      unpack_block(blk, bsz, n, k, group, w.data(), sc.data());
+      const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
+      for (int64_t r0 = 0; r0 < m; r0 += 2) {
+        const int64_t rows = std::min<int64_t>(2, m - r0);
+        const int8_t* xr = xq + r0 * k;
+        const float *dr = dx + r0 * groups, *sr = xs + r0 * groups;
+        for (int h = half == 2 ? 2 : 1; h <= (half == 1 ? 1 : 2); ++h) {
+          if (rows == 2)
+            (h == 1 ? int4_rows_avx2<2, 1, true, T> : int4_rows_avx2<2, 2, true, T>)(
+                xr, dr, sr, wb, bsz, out, n, k, group, sc.data());
+          else
+            (h == 1 ? int4_rows_avx2<1, 1, true, T> : int4_rows_avx2<1, 2, true, T>)(
+                xr, dr, sr, wb, bsz, out, n, k, group, sc.data());
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          narrow(out + r * 32 + o0, yp + (r0 + r) * n + b * 32 + o0, width);
+      }
+      i = e;
+    }
+  });
+}
+#endif
 
 #ifdef TIERSERVE_VNNI
 // int4_rows_vnni for m rows (1-4) and a half (0: the whole block; 1, 2: first, last 32).
@@ -447,11 +714,33 @@ static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* 
 static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                               int64_t group) {
   const int64_t m = x.size(0), k = x.size(1), n = sz.size(1), groups = k / group;
-  TORCH_CHECK(n % 64 == 0 && codes.numel() == n * k / 2 && k % group == 0,
-              "not torch's CPU int4 packing");
-  TORCH_CHECK(int4_fast(sz, group), "int4_matmul needs AVX-512 VNNI and bfloat16 scales");
+  const int64_t block = int4_pack_block();
+  TORCH_CHECK(block > 0 && n % block == 0 && codes.numel() == n * k / 2 && k % group == 0 &&
+              codes.is_contiguous(), "not torch's CPU int4 packing");
+  TORCH_CHECK(int4_fast(sz, group), "int4_matmul needs AVX-512 VNNI and bfloat16 scales, "
+              "or AVX2 and bfloat16 or float32 scales");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
+#if defined(TIERSERVE_INT4_AVX2)
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "int4_matmul takes bfloat16 or float32 x");
+  const at::Tensor szc = sz.contiguous();
+  const std::unique_ptr<int8_t[]> xq(new int8_t[m * k]);
+  const std::unique_ptr<float[]> dx(new float[m * groups]), xs(new float[m * groups]);
+  quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, group);
+  const auto run = [&](auto* zp) {
+    if (y.scalar_type() == at::kBFloat16)
+      int4_matmul_avx2(xq.get(), dx.get(), xs.get(), codes.data_ptr<uint8_t>(), zp,
+                       y.data_ptr<at::BFloat16>(), m, n, k, group);
+    else
+      int4_matmul_avx2(xq.get(), dx.get(), xs.get(), codes.data_ptr<uint8_t>(), zp,
+                       y.data_ptr<float>(), m, n, k, group);
+  };
+  if (szc.scalar_type() == at::kBFloat16)
+    run(szc.data_ptr<at::BFloat16>());
+  else
+    run(szc.data_ptr<float>());
+#endif
 #ifdef TIERSERVE_VNNI
   const at::Tensor szc = sz.contiguous();
   // not std::vectors, which zeroed them first (memset was 1-2.5% of a 64-stream step)

@@ -71,6 +71,7 @@ struct LeanLinear {
     if (dense.defined() && rows > dense_rows) return onednn_linear(x, dense, bias);
     at::Tensor y;
     const bool blocks = kind == INT4 && aux.size(1) % 64 == 0;   // whole blocks of 64 rows
+                                   // (of 32 with AVX2 packing: a 64 is two)
     if (vnni.defined()) {
       y = int8_matmul_vnni(x, vnni, aux, w.size(0));
     } else if (blocks && int4_fast(aux, group)) {
@@ -437,8 +438,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(cpu_sample.py)");
   m.def("paged_decode", &paged_decode, "paged decode attention (cpu_attention.py)");
   m.def("dequantize_int4_t", &dequantize_int4_t_dense, "torch's CPU int4 packing as W^T");
-  m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing (AVX-512 VNNI)");
+  m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing (AVX-512 VNNI "
+        "or AVX2)");
+  m.attr("int4_kernel") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.attr("int4_vnni") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
+#else
+  m.attr("int4_vnni") = py::bool_(false);
+#endif
   m.def("int8_matmul", &int8_matmul, "(x W^T) * scales for an int8 weight");
   m.def("pack_int8_vnni", &pack_int8_vnni, "an int8 weight repacked for int8_matmul_vnni");
   m.def("int8_matmul_vnni", &int8_matmul_vnni, "(x W^T) * scales, x rounded to int8 (VNNI)");
