@@ -4,7 +4,7 @@ or int8 model computes, against the exact product of the weights the layer stand
 import pytest
 import torch
 
-from conftest import torch_threads
+from conftest import get_engine, torch_threads
 from tierserve.model import kernels
 from tierserve.model.quant import GROUP_SIZE, QuantLinear, int8_linear
 
@@ -120,22 +120,30 @@ def test_int8_products_agree_with_torchs_kernel(rows):
     assert ((got - want).abs() <= want.abs() * 2**-6 + 1e-3).all()
 
 
-int8_vnni = pytest.mark.skipif(not getattr(kernels.load(), "int8_vnni", False),
-                               reason="the int8 head kernel needs AVX-512 VNNI and BF16")
+int8_vnni = pytest.mark.skipif(
+    not getattr(kernels.load(), "int8_vnni", False)
+    and not getattr(kernels.load(), "int8_avx2", False),
+    reason="the int8 head kernel on integer dots needs AVX-512 VNNI and BF16, or AVX2")
+
+
+def _rounded_head(kernel, x, weight, scales):
+    """The head on integer dots this CPU has: AVX-512 VNNI's (weights repacked) or AVX2's."""
+    if getattr(kernel, "int8_vnni", False):
+        return kernel.int8_matmul_vnni(x, kernel.pack_int8_vnni(weight), scales, weight.shape[0])
+    return kernel.int8_matmul_avx2(x, weight, scales)
 
 
 @int8_vnni
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64])
 def test_the_int8_head_on_integer_dots_is_exact_up_to_int8_inputs_and_one_rounding(rows):
-    """The lm_head's VNNI kernel rounds x to int8 per group of 32 as the 4-bit kernel
+    """The lm_head's integer kernel rounds x to int8 per group of 32 as the 4-bit kernel
     does; its error is bounded the same way, and it reads the same layer as int8_matmul."""
     gen = torch.Generator().manual_seed(rows)
     layer = int8_linear(torch.randn(320, 576, generator=gen), None, torch.bfloat16)
     w = layer.weight.double() * layer.scales.double()[:, None]                 # [N, K]
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     kernel = kernels.load()
-    got = kernel.int8_matmul_vnni(x, kernel.pack_int8_vnni(layer.weight), layer.scales,
-                                  320).double()
+    got = _rounded_head(kernel, x, layer.weight, layer.scales).double()
     exact = x.double() @ w.t()
     d = x.double().view(rows, -1, GROUP_SIZE).abs().amax(-1) / 127
     w_abs = w.abs().view(w.shape[0], -1, GROUP_SIZE).sum(-1)
@@ -146,17 +154,13 @@ def test_the_int8_head_on_integer_dots_is_exact_up_to_int8_inputs_and_one_roundi
 
 @int8_vnni
 def test_an_int8_head_that_fits_runs_on_integer_dots_in_the_lean_step():
-    """What set_head decides: the 4-bit model's int8 head gives the VNNI kernel's logits."""
-    from tierserve.llm import LLM
-
-    llm = LLM(dtype="bfloat16", quantization="gguf")
-    runner = llm.engine.runner
+    """What set_head decides: the 4-bit model's int8 head gives the integer kernel's logits."""
+    runner = get_engine(dtype="bfloat16", quantization="gguf").runner
     head = runner.model.lm_head
     hidden = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(1))
     hidden = hidden.bfloat16()
     kernel = kernels.load()
-    want = kernel.int8_matmul_vnni(hidden, kernel.pack_int8_vnni(head.weight), head.scales,
-                                   head.out_features).float()
+    want = _rounded_head(kernel, hidden, head.weight, head.scales).float()
     assert torch.equal(runner.lean.logits(hidden), want)
 
 
@@ -164,15 +168,12 @@ def test_an_int8_head_that_fits_runs_on_integer_dots_in_the_lean_step():
 def test_a_weight_only_int8_model_keeps_its_heads_input_in_bfloat16():
     """int8 is weight-only: its head must not round x to int8 as the 4-bit body's does
     (rounded, greedy text moved off bfloat16's on 21 of 80 tokens of test_quant's prompts)."""
-    from tierserve.llm import LLM
-
-    runner = LLM(dtype="bfloat16", quantization="int8").engine.runner
+    runner = get_engine(dtype="bfloat16", quantization="int8").runner
     head = runner.model.lm_head
     hidden = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(1))
     hidden = hidden.bfloat16()
     kernel = kernels.load()
-    rounded = kernel.int8_matmul_vnni(hidden, kernel.pack_int8_vnni(head.weight),
-                                      head.scales, head.out_features).float()
+    rounded = _rounded_head(kernel, hidden, head.weight, head.scales).float()
     want = kernel.int8_matmul(hidden, head.weight, head.scales).float()
     got = runner.lean.logits(hidden)
     assert torch.equal(got, want) and not torch.equal(got, rounded)

@@ -946,6 +946,91 @@ static at::Tensor pack_int8_vnni(const at::Tensor& w) {
   return out;
 }
 
+#if defined(TIERSERVE_INT4_AVX2)
+// The lm_head on AVX2 (no VNNI): int8 weights [N, K] as held, one scale per output row,
+// against x rounded to int8 per group of 32 as int4_matmul rounds it (what
+// int8_matmul_vnni computes where VNNI is). vpmaddubsw multiplies unsigned by signed bytes
+// and saturates each pair's sum at int16, so a product is taken as |w| times x with w's
+// sign (a pair at most 2 x 127 x 127: no saturation), and the weights need no repacking.
+// Each weight row is read once for R rows of x, its group sums scaled by x's d in float32.
+template <int R, typename Y>
+static void int8_rows_avx2(const int8_t* xq, const float* dx, const int8_t* w, const float* sc,
+                           Y* y, int64_t o0, int64_t o1, int64_t n, int64_t k) {
+  const int64_t groups = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wr = w + o * k;
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * g));
+      const __m256i wa = _mm256_sign_epi8(wv, wv);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + 32 * g));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[r * groups + g]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      const float v = _mm_cvtss_f32(h) * sc[o];
+      narrow(&v, y + r * n + o, 1);
+    }
+  }
+}
+#endif
+
+// Whether int8_matmul_avx2 is compiled in (AVX2 without VNNI).
+static bool int8_avx2() {
+#if defined(TIERSERVE_INT4_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// y [M, N] = (x W^T) * scales for an int8 head, x rounded to int8 per group of 32 (AVX2).
+static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& w,
+                                   const at::Tensor& scales) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), groups = k / 32;
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.size(1) == k && k % 32 == 0);
+  TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "int8_matmul_avx2 takes bfloat16 or float32 x");
+  at::Tensor y = at::empty({m, n}, x.options());
+#if defined(TIERSERVE_INT4_AVX2)
+  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  const std::unique_ptr<int8_t[]> xq(new int8_t[std::max<int64_t>(1, m * k)]);
+  const std::unique_ptr<float[]> dx(new float[std::max<int64_t>(1, m * groups)]),
+      xs(new float[std::max<int64_t>(1, m * groups)]);
+  quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, 32);
+  const auto run = [&](auto* yp) {
+    at::parallel_for(0, n, 256, [&](int64_t o0, int64_t o1) {
+      for (int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int8_t* xr = xq.get() + r0 * k;
+        const float* dr = dx.get() + r0 * groups;
+        const int8_t* wp = w.data_ptr<int8_t>();
+        const float* sp = sc.data_ptr<float>();
+        auto* yr = yp + r0 * n;
+        switch (std::min<int64_t>(4, m - r0)) {
+          case 1: int8_rows_avx2<1>(xr, dr, wp, sp, yr, o0, o1, n, k); break;
+          case 2: int8_rows_avx2<2>(xr, dr, wp, sp, yr, o0, o1, n, k); break;
+          case 3: int8_rows_avx2<3>(xr, dr, wp, sp, yr, o0, o1, n, k); break;
+          default: int8_rows_avx2<4>(xr, dr, wp, sp, yr, o0, o1, n, k);
+        }
+      }
+    });
+  };
+  if (y.scalar_type() == at::kBFloat16)
+    run(y.data_ptr<at::BFloat16>());
+  else
+    run(y.data_ptr<float>());
+#endif
+  return y;
+}
+
 // Whether int8_matmul_vnni is compiled in (its epilogue stores bfloat16 with AVX-512 BF16).
 static bool int8_vnni() {
 #if defined(TIERSERVE_VNNI) && defined(__AVX512BF16__)

@@ -63,6 +63,7 @@ struct LeanLinear {
                                        // here, int8 by the module) and run a dense matmul
   py::object module;
   at::Tensor vnni;                     // the head's int8 weight in pack_int8_vnni's packing
+  bool rounded_int8 = false;           // the head on int8_matmul_avx2 (AVX2, no VNNI)
   at::Tensor dense;                    // a kernel kind's weight in bfloat16, packed by
   int64_t dense_rows = 0;              // oneDNN: run above dense_rows (AMX; DENSE_ROWS)
 
@@ -74,6 +75,8 @@ struct LeanLinear {
                                    // (of 32 with AVX2 packing: a 64 is two)
     if (vnni.defined()) {
       y = int8_matmul_vnni(x, vnni, aux, w.size(0));
+    } else if (rounded_int8) {
+      y = int8_matmul_avx2(x, w, aux);
     } else if (blocks && int4_fast(aux, group)) {
       y = int4_matmul(x, w, aux, group);
     } else if (blocks && rows > max_rows) {    // wide x, no VNNI: dequantize once, dense
@@ -244,6 +247,10 @@ struct LeanModel {
         w.size(1) % 32 == 0 &&
         aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
       head->vnni = pack_int8_vnni(w);
+    else if (round_input && kind == INT8 && int8_avx2() && w.size(1) % 32 == 0 &&
+             aux.dim() == 1 && !bias.has_value() &&
+             int4_fast(at::empty({0}, at::kBFloat16), 32))   // the body rounds x too
+      head->rounded_int8 = true;
   }
 
   at::Tensor logits(const at::Tensor& x) {
@@ -450,6 +457,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8_vnni", &pack_int8_vnni, "an int8 weight repacked for int8_matmul_vnni");
   m.def("int8_matmul_vnni", &int8_matmul_vnni, "(x W^T) * scales, x rounded to int8 (VNNI)");
   m.attr("int8_vnni") = py::bool_(int8_vnni());
+  m.def("int8_matmul_avx2", &int8_matmul_avx2, "(x W^T) * scales, x rounded to int8 (AVX2)");
+  m.attr("int8_avx2") = py::bool_(int8_avx2());
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   m.attr("kv_int8_vnni") = py::bool_(true);   // one_sequence_i8 (cpu_attention.py) built
 #else
