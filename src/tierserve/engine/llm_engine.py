@@ -96,9 +96,9 @@ class LLMEngine:
 
             say(f"weights in {mc.dtype} (--quantization none); --quantization gguf keeps this "
                 "file's 4-bit blocks packed: " + (
-                    "on this CPU (no AVX-512) 1.7x float32's tokens/s at one stream over "
-                    "HTTP, behind it from 16 streams, where torch's 4-bit kernel is slow at "
-                    "many rows (2-core EPYC Zen 3" if not packs_bf16() else
+                    "on this CPU (no AVX-512) 4x float32's tokens/s at one stream and "
+                    "1.45x or more at 16 and 64 (offline, 128/128 tokens, 2-core EPYC Zen 3"
+                    if not packs_bf16() else
                     "on a CPU about 2.3x bf16's tokens/s at one stream and level with it at "
                     "16-64 streams, where bf16's prompts start sooner (2-core EPYC Zen 5")
                 + "; docs/benchmarks.md; `make serve` uses gguf)")

@@ -1,7 +1,8 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 740 lines because it is one kernel family in
-one C++ source string (the intrinsics take many lines); cpu_step.py holds the forward pass.
+dequantized to W^T for wide inputs. About 1,100 lines because it is one kernel family in
+one C++ source string, written twice (AVX-512 VNNI and AVX2: the intrinsics take many
+lines); cpu_step.py holds the forward pass.
 
 NOTE: the 4- and 8-bit kernels. At a few rows a quantized layer is bound by reading its
 weights; torch's int4 kernel read them at 10-19 GB/s here. `int4_matmul` (AVX-512 VNNI)
@@ -14,9 +15,18 @@ them with their sums in registers (at 16 rows 12.5 ms against 25 for a dense bfl
 of the same layers, when a group was unpacked at a time and each row's sums went through
 memory; with the sums in registers, from 16 rows, on a 2-core EPYC Zen 4, interleaved in one
 process: 64 rows 0.86-0.93 of the time before, 32 rows 0.95, 512 rows 0.97, the same bits;
-three rows at a time: no faster; below 16 rows the group-at-a-time tile is faster). Without
-VNNI the lean step keeps torch's int4 kernel for few rows and `dequantize_int4_t` then one
-dense matmul for many. `int8_matmul` widens int8 weight rows to bfloat16 (exact) and sums
+three rows at a time: no faster; below 16 rows the group-at-a-time tile is faster).
+
+NOTE: AVX2 without VNNI (EPYC Zen 2-3, most Intel client cores). There torch packs int4
+weights in blocks of 32 outputs, not 64 (`int4_pack_block` asks torch which), and its int4
+kernel read SmolLM2-135M's 120 4-bit layers in 9.6 ms at one row (about 7 GB/s) on a
+2-core EPYC Zen 3, two thirds of a lone decode step. `int4_rows_avx2` does what
+int4_rows_vnni does with vpmaddubsw and vpmaddwd: 3.3-3.7 ms at one row (0.35-0.40x
+torch's), 0.64x at four, 0.40-0.47x at 16-512 rows, where a block is unpacked once and
+rows go two at a time over each half (WIDE). `int8_matmul_avx2` is the 4-bit model's int8
+head with its input rounded the same way: 0.86 ms against `int8_matmul`'s 1.8 at one row.
+Elsewhere (no AVX2, or another packing) the lean step keeps torch's int4 kernel for few
+rows and `dequantize_int4_t` then one dense matmul for many. `int8_matmul` widens int8 weight rows to bfloat16 (exact) and sums
 with vdpbf16ps, two weight rows per pass (one row of x: float32 multiply-adds): the 4-bit
 model's int8 lm_head takes 1.1 ms at one row against torch's 2.2, 14 against 43 at 64 rows.
 """
@@ -662,10 +672,12 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
         i = e;
         continue;
       }
-      // WIDE: more rows take the block unpacked once, then two rows and 16 outputs at a
-      // time, their sums in registers (four rows over the packed block kept 32 vectors of
-      // sums and spilled them: 1.6-1.7x torch's int4 kernel at 8-256 rows, against 2.9x
-      // at one)
+      // WIDE: more rows take the block unpacked once (and its scales), then two rows and
+      // 16 outputs at a time, their sums in registers. Four rows at a time over the packed
+      // block kept 32 vectors of sums and spilled them: 0.62-0.68x torch's int4 kernel's
+      // time at 8-256 rows, against 0.40-0.47x this way from 16 rows; at three and four
+      // rows the packed loop is the faster (the 120 layers of SmolLM2-135M in 5.6 and 8.0
+      // ms against 8.1 and 9.1; 2-core EPYC Zen 3)
       unpack_block(blk, bsz, n, k, group, w.data(), sc.data());
       const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
       for (int64_t r0 = 0; r0 < m; r0 += 2) {
