@@ -11,8 +11,8 @@ from position 0, cut into pieces of `--chunk` tokens; quantized layers run their
 every size, as a decode does (the dequantizing path of long prefills is the same weights
 with one more bfloat16 rounding). With `--lean` the lean step computes each piece as the
 engine computes a prompt chunk of that length: its own 4- and 8-bit kernels, inputs rounded
-to int8 per group of 32 for the 4-bit layers (AVX-512 VNNI or AVX2; on a CPU with neither,
-torch's int4 kernel, and pieces over 96 tokens dequantize); on a CPU with AMX, pieces over 32 tokens take its bfloat16 copies
+to int8 per group of 32 for the 4-bit layers (AVX-512 VNNI or AVX2; elsewhere torch's int4
+kernel, and where torch packs 64 outputs a block, pieces over 96 tokens dequantize); on a CPU with AMX, pieces over 32 tokens take its bfloat16 copies
 (cpu_step.DENSE_ROWS): there `--chunk 32`, or `TIERSERVE_NO_DENSE_COPY=1`, measures what
 decode steps of up to 32 sequences compute. Every row of a piece goes through the head, as
 no engine step does (it sends only the rows it samples). `--lean` runs each of those twice:

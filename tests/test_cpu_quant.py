@@ -11,18 +11,28 @@ from tierserve.model.quant import GROUP_SIZE, QuantLinear, int8_linear
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C++ toolchain")
 
 
-def _int4_layer(n: int, k: int, seed: int):
+def _int4_layer(n: int, k: int, seed: int, group: int = GROUP_SIZE, codes=None):
     """A random 4-bit layer and the exact float64 weight [N, K] it holds."""
     gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scale = torch.rand(n, k // GROUP_SIZE, generator=gen) / 8
-    minimum = -torch.rand(n, k // GROUP_SIZE, generator=gen)
+    if codes is None:
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=gen) / 8
+    minimum = -torch.rand(n, k // group, generator=gen)
     layer = QuantLinear.int4(codes, scale, minimum)
     # what the layer keeps: s and z in bfloat16, w = s q + (z - 8 s)
     s, z = layer.scales[..., 0].double().t(), layer.scales[..., 1].double().t()   # [N, K/g]
-    w = codes.double() * s.repeat_interleave(GROUP_SIZE, 1) \
-        + (z - 8 * s).repeat_interleave(GROUP_SIZE, 1)
+    w = codes.double() * s.repeat_interleave(group, 1) \
+        + (z - 8 * s).repeat_interleave(group, 1)
     return layer, w
+
+
+def _within_int8_rounding(got, x, w, group: int) -> bool:
+    """|got - x w^T| within what rounding x to int8 per group and the output once allow."""
+    exact = x.double() @ w.t()
+    d = x.double().view(x.shape[0], -1, group).abs().amax(-1) / 127               # [M, groups]
+    w_abs = w.abs().view(w.shape[0], -1, group).sum(-1)                          # [N, groups]
+    bound = (d / 2) @ w_abs.t() + exact.abs() * 2**-8 + 1e-6
+    return bool(((got.double() - exact).abs() <= bound).all())
 
 
 vnni = pytest.mark.skipif(not getattr(kernels.load(), "int4_kernel", False),
@@ -64,14 +74,18 @@ def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows):
 
 
 @vnni
-@pytest.mark.parametrize("outputs", [192, 256])
+@pytest.mark.parametrize("blocks", [3, 4, 5])
 @pytest.mark.parametrize("rows", [1, 4, 7, 24, 64, 260])
-def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(outputs, rows):
-    """Threads share the blocks of 64 outputs by halves (a block's first and last 32
-    outputs at 1-4 rows, its rows above that), so that two threads split 3 or 9 blocks
-    evenly; a shared block's outputs must be the bits one thread computes alone (at 24
-    rows a half goes to the group-at-a-time loop where the whole tile takes the block at
-    once; 260 rows are three tiles)."""
+def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(blocks, rows):
+    """Threads share the packing's blocks (64 outputs with AVX-512 VNNI, 32 with AVX2) by
+    halves (VNNI: a block's first and last 32 outputs at 1-4 rows, its rows above that;
+    AVX2: its first and last 16 outputs at any rows), so that two threads split 3 or 5
+    blocks evenly; a shared block's outputs must be the bits one thread computes alone
+    (VNNI at 24 rows: a half goes to the group-at-a-time loop where the whole tile takes
+    the block at once; 260 rows are three tiles; AVX2 from 5 rows: the block unpacked
+    first)."""
+    # torch's packing holds 64 outputs a block with AVX-512, 32 with AVX2
+    outputs = blocks * (64 if getattr(kernels.load(), "int4_vnni", False) else 32)
     layer, w = _int4_layer(outputs, 12 * GROUP_SIZE, seed=outputs + rows)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(5)).bfloat16()
     k, results = kernels.load(), []
@@ -99,6 +113,31 @@ def test_an_avx2_4_bit_product_in_float32_is_the_bfloat16_one_before_its_roundin
 
 
 @vnni
+@pytest.mark.parametrize("group", [16, 64])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_4_bit_products_hold_for_other_group_sizes(group, rows):
+    """Groups of 16 to 64 inputs (GGUF's 4-bit formats have 32): the same bound."""
+    layer, w = _int4_layer(128, 4 * 64, seed=group + rows, group=group)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = kernels.load().int4_matmul(x, layer.weight, layer.scales, layer.group_size)
+    assert layer.group_size == group and _within_int8_rounding(got, x, w, group)
+
+
+@vnni
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_largest_4_bit_sums_do_not_overflow(rows):
+    """Every code 15 and every input at the group's largest magnitude, in groups of 64:
+    the integer sums are at their largest (the AVX2 kernel sums a group in int16)."""
+    codes = torch.full((64, 2 * 64), 15, dtype=torch.uint8)
+    layer, w = _int4_layer(64, 2 * 64, seed=rows, group=64, codes=codes)
+    x = torch.full((rows, w.shape[1]), -3.0).bfloat16()
+    x[:, 64:] = 2.5
+    got = kernels.load().int4_matmul(x, layer.weight, layer.scales, layer.group_size)
+    exact = x.double() @ w.t()
+    assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-6).all()
+
+
+@vnni
 def test_4_bit_products_of_an_all_zero_group_are_exact():
     layer, w = _int4_layer(64, 4 * GROUP_SIZE, seed=11)
     x = torch.zeros(2, w.shape[1]).bfloat16()
@@ -121,9 +160,11 @@ def test_int8_products_agree_with_torchs_kernel(rows):
 
 
 int8_vnni = pytest.mark.skipif(
-    not getattr(kernels.load(), "int8_vnni", False)
-    and not getattr(kernels.load(), "int8_avx2", False),
-    reason="the int8 head kernel on integer dots needs AVX-512 VNNI and BF16, or AVX2")
+    not getattr(kernels.load(), "int4_kernel", False) or (
+        not getattr(kernels.load(), "int8_vnni", False)
+        and not getattr(kernels.load(), "int8_avx2", False)),
+    reason="the int8 head kernel on integer dots needs AVX-512 VNNI and BF16, or AVX2, "
+           "and the 4-bit kernel (whose rounding of x it shares)")
 
 
 def _rounded_head(kernel, x, weight, scales):

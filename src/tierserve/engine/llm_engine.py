@@ -92,12 +92,20 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if mc.quantization == "none" and mc.device == "cpu" and \
                 str(self.loaded.source).endswith(".gguf"):
+            from tierserve.model import kernels
             from tierserve.model.cpu_linear import packs_bf16
 
+            built = kernels.load()
+            avx2 = bool(getattr(built, "int4_kernel", False)
+                        and not getattr(built, "int4_vnni", False))
             say(f"weights in {mc.dtype} (--quantization none); --quantization gguf keeps this "
                 "file's 4-bit blocks packed: " + (
-                    "on this CPU (no AVX-512) 4x float32's tokens/s at one stream and "
+                    "on this CPU (AVX2, no AVX-512) 4x float32's tokens/s at one stream and "
                     "1.45x or more at 16 and 64 (offline, 128/128 tokens, 2-core EPYC Zen 3"
+                    if avx2 else
+                    "on this CPU (no AVX-512, and no 4-bit kernel of ours built) what torch's "
+                    "int4 kernel gives: 1.7x float32's tokens/s at one stream, behind it from "
+                    "16 streams (2-core EPYC Zen 3 before its AVX2 kernels"
                     if not packs_bf16() else
                     "on a CPU about 2.3x bf16's tokens/s at one stream and level with it at "
                     "16-64 streams, where bf16's prompts start sooner (2-core EPYC Zen 5")

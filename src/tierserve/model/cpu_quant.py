@@ -616,30 +616,49 @@ static void quantize_input(const at::Tensor& x, int8_t* xq, float* dx, float* xs
 // Outputs per block of torch's CPU int4 packing in this process: it follows the CPU
 // capability ATen dispatches to at run time (64 with AVX-512, 32 with AVX2; the
 // ATEN_CPU_CAPABILITY variable can lower it), so it is asked of torch itself, once.
+// Every byte of a packing of 128 x 64 codes is compared with each layout (block b, input
+// i, byte d: outputs b B + d and b B + d + B/2); 0 (no kernel of ours) if neither holds or
+// torch refuses.
 static int64_t int4_pack_block() {
   static const int64_t block = [] {
-    // output r's every code is r / 16: the first byte pairs output 0 with output 32 (0x20)
-    // in 64-output blocks, with output 16 (0x10) in 32-output ones
-    const at::Tensor codes = at::floor_divide(at::arange(64, at::TensorOptions().dtype(at::kInt)), 16)
-                                 .unsqueeze(1).expand({64, 64}).contiguous();
-    const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
-    const uint8_t first = packed.data_ptr<uint8_t>()[0];
-    return first == 0x20 ? int64_t{64} : first == 0x10 ? int64_t{32} : int64_t{0};
+    try {
+      constexpr int64_t N = 128, K = 64;
+      // codes that differ between every two outputs a layout could pair
+      const at::Tensor r = at::arange(N, at::TensorOptions().dtype(at::kInt)).unsqueeze(1);
+      const at::Tensor i = at::arange(K, at::TensorOptions().dtype(at::kInt)).unsqueeze(0);
+      const at::Tensor codes = (r * r * 5 + at::floor_divide(r, 3) + i * 7 + r * i)
+                                   .remainder(16).to(at::kInt).contiguous();
+      const at::Tensor packed = at::_convert_weight_to_int4pack_for_cpu(codes, 1).contiguous();
+      if (packed.numel() != N * K / 2 || packed.scalar_type() != at::kByte) return int64_t{0};
+      const int32_t* c = codes.data_ptr<int32_t>();
+      const uint8_t* p = packed.data_ptr<uint8_t>();
+      for (const int64_t B : {int64_t{64}, int64_t{32}}) {
+        bool same = true;
+        for (int64_t b = 0; b < N / B && same; ++b)
+          for (int64_t i = 0; i < K && same; ++i)
+            for (int64_t d = 0; d < B / 2 && same; ++d)
+              same = p[(b * K + i) * (B / 2) + d] ==
+                     (c[(b * B + d) * K + i] | (c[(b * B + d + B / 2) * K + i] << 4));
+        if (same) return B;
+      }
+    } catch (const std::exception&) {
+    }
+    return int64_t{0};
   }();
   return block;
 }
 
 // Whether int4_matmul computes this layer: built with AVX-512 VNNI, bfloat16 (s, z) pairs,
 // groups of 16..64 inputs, torch packing 64 outputs a block; or built with AVX2 (no VNNI),
-// bfloat16 or float32 pairs, groups of 8..64, torch packing 32 a block. Elsewhere the lean
+// bfloat16 or float32 pairs, groups of 8..64 (a multiple of 8), torch packing 32 a block. Elsewhere the lean
 // step keeps torch's int4 kernel (few rows) and dequantize-then-matmul (many).
 static bool int4_fast(const at::Tensor& sz, int64_t group) {
 #if defined(TIERSERVE_VNNI)
-  return sz.scalar_type() == at::kBFloat16 && group % 16 == 0 && group <= MAX_GROUP &&
-         int4_pack_block() == 64;
+  return sz.scalar_type() == at::kBFloat16 && group > 0 && group % 16 == 0 &&
+         group <= MAX_GROUP && int4_pack_block() == 64;
 #elif defined(TIERSERVE_INT4_AVX2)
   return (sz.scalar_type() == at::kBFloat16 || sz.scalar_type() == at::kFloat) &&
-         group % 8 == 0 && group <= MAX_GROUP && int4_pack_block() == 32;
+         group > 0 && group % 8 == 0 && group <= MAX_GROUP && int4_pack_block() == 32;
 #else
   return false;
 #endif
@@ -648,7 +667,7 @@ static bool int4_fast(const at::Tensor& sz, int64_t group) {
 #if defined(TIERSERVE_INT4_AVX2)
 // int4_matmul on AVX2: threads take halves of blocks (16 outputs each) as the VNNI kernel
 // does at one to four rows (BALANCE: a block's two halves that one thread takes go to one
-// call), and go over every row of x, four at a time, for each: a block's bytes (9-24 KB
+// call), and go over every row of x for each (up to four at once; WIDE): a block's bytes (9-24 KB
 // in SmolLM2-135M's layers) stay in L1 for all of them.
 template <typename T, typename Y>
 static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
@@ -725,10 +744,12 @@ static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* 
 // y [M, N] = x W^T for an int4 layer in torch's CPU packing, without dequantizing it.
 static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                               int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && sz.dim() == 3 && sz.size(2) == 2 && group > 0,
+              "int4_matmul takes x [M, K], (s, z) pairs [K/group, N, 2] and a group > 0");
   const int64_t m = x.size(0), k = x.size(1), n = sz.size(1), groups = k / group;
   const int64_t block = int4_pack_block();
   TORCH_CHECK(block > 0 && n % block == 0 && codes.numel() == n * k / 2 && k % group == 0 &&
-              codes.is_contiguous(), "not torch's CPU int4 packing");
+              sz.size(0) == groups && codes.is_contiguous(), "not torch's CPU int4 packing");
   TORCH_CHECK(int4_fast(sz, group), "int4_matmul needs AVX-512 VNNI and bfloat16 scales, "
               "or AVX2 and bfloat16 or float32 scales");
   at::Tensor y = at::empty({m, n}, x.options());
@@ -1007,7 +1028,9 @@ static bool int8_avx2() {
 static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& w,
                                    const at::Tensor& scales) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0), groups = k / 32;
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.size(1) == k && k % 32 == 0);
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
+              w.size(1) == k && k % 32 == 0 && scales.numel() == n,
+              "int8_matmul_avx2 takes x [M, K], int8 w [N, K] (K a multiple of 32), N scales");
   TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "int8_matmul_avx2 takes bfloat16 or float32 x");
@@ -1019,18 +1042,23 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& w,
       xs(new float[std::max<int64_t>(1, m * groups)]);
   quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, 32);
   const auto run = [&](auto* yp) {
+    // 64 outputs at a time (36 KB of SmolLM2's head, in L2) for every row of x, so that
+    // the head is read from memory once however many rows there are
     at::parallel_for(0, n, 256, [&](int64_t o0, int64_t o1) {
-      for (int64_t r0 = 0; r0 < m; r0 += 4) {
-        const int8_t* xr = xq.get() + r0 * k;
-        const float* dr = dx.get() + r0 * groups;
-        const int8_t* wp = w.data_ptr<int8_t>();
-        const float* sp = sc.data_ptr<float>();
-        auto* yr = yp + r0 * n;
-        switch (std::min<int64_t>(4, m - r0)) {
-          case 1: int8_rows_avx2<1>(xr, dr, wp, sp, yr, o0, o1, n, k); break;
-          case 2: int8_rows_avx2<2>(xr, dr, wp, sp, yr, o0, o1, n, k); break;
-          case 3: int8_rows_avx2<3>(xr, dr, wp, sp, yr, o0, o1, n, k); break;
-          default: int8_rows_avx2<4>(xr, dr, wp, sp, yr, o0, o1, n, k);
+      for (int64_t c0 = o0; c0 < o1; c0 += 64) {
+        const int64_t c1 = std::min(o1, c0 + 64);
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+          const int8_t* xr = xq.get() + r0 * k;
+          const float* dr = dx.get() + r0 * groups;
+          const int8_t* wp = w.data_ptr<int8_t>();
+          const float* sp = sc.data_ptr<float>();
+          auto* yr = yp + r0 * n;
+          switch (std::min<int64_t>(4, m - r0)) {
+            case 1: int8_rows_avx2<1>(xr, dr, wp, sp, yr, c0, c1, n, k); break;
+            case 2: int8_rows_avx2<2>(xr, dr, wp, sp, yr, c0, c1, n, k); break;
+            case 3: int8_rows_avx2<3>(xr, dr, wp, sp, yr, c0, c1, n, k); break;
+            default: int8_rows_avx2<4>(xr, dr, wp, sp, yr, c0, c1, n, k);
+          }
         }
       }
     });

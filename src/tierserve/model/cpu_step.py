@@ -241,15 +241,16 @@ struct LeanModel {
     head = LeanLinear{kind, w, aux, bias, group, max_rows, module, at::Tensor()};
     // an int8 head (per-row scales, bfloat16 activations) on integer dot products where
     // the CPU has them and the body's layers already round x to int8 per group of 32
-    // (4-bit weights): the head's input is then rounded the same way. A weight-only int8
-    // model keeps bfloat16 activations in its head too (round_input false).
+    // (4-bit weights on our kernel: body_rounds): the head's input is then rounded the same
+    // way. A weight-only int8 model keeps bfloat16 activations in its head too (round_input
+    // false).
+    const bool body_rounds = int4_fast(at::empty({0}, at::kBFloat16), 32);
     if (round_input && kind == INT8 && int8_vnni() && w.size(0) % 32 == 0 &&
-        w.size(1) % 32 == 0 &&
+        w.size(1) % 32 == 0 && body_rounds &&
         aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
       head->vnni = pack_int8_vnni(w);
     else if (round_input && kind == INT8 && int8_avx2() && w.size(1) % 32 == 0 &&
-             aux.dim() == 1 && !bias.has_value() &&
-             int4_fast(at::empty({0}, at::kBFloat16), 32))   // the body rounds x too
+             aux.dim() == 1 && !bias.has_value() && body_rounds)
       head->rounded_int8 = true;
   }
 
