@@ -71,8 +71,8 @@ struct LeanLinear {
     const int64_t rows = x.size(0);
     if (dense.defined() && rows > dense_rows) return onednn_linear(x, dense, bias);
     at::Tensor y;
-    const bool blocks = kind == INT4 && aux.size(1) % 64 == 0;   // whole blocks of 64 rows
-                                   // (of 32 with AVX2 packing: a 64 is two)
+    // whole blocks of 64 rows (two of the 32-row blocks torch packs on an AVX2 CPU)
+    const bool blocks = kind == INT4 && aux.size(1) % 64 == 0;
     if (vnni.defined()) {
       y = int8_matmul_vnni(x, vnni, aux, w.size(0));
     } else if (rounded_int8) {
