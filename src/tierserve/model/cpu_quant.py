@@ -22,7 +22,7 @@ weights in blocks of 32 outputs, not 64 (`int4_pack_block` asks torch which), an
 kernel read SmolLM2-135M's 120 4-bit layers in 9.6 ms at one row (about 7 GB/s) on a
 2-core EPYC Zen 3, two thirds of a lone decode step. `int4_rows_avx2` does what
 int4_rows_vnni does with vpmaddubsw and vpmaddwd: 3.3-3.7 ms at one row (0.35-0.40x
-torch's), 0.64x at four, 0.40-0.47x at 16-512 rows, where a block is unpacked once and
+torch's), 0.64x at four, 0.37-0.47x at 16-512 rows, where a block is unpacked once and
 rows go two at a time over each half (WIDE). `int8_matmul_avx2` is the 4-bit model's int8
 head with its input rounded the same way: 0.86 ms against `int8_matmul`'s 1.8 at one row.
 Elsewhere (no AVX2, or another packing) the lean step keeps torch's int4 kernel for few
