@@ -96,6 +96,21 @@ static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Ten
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+constexpr int64_t MAX_GROUP = 64;   // the largest group the kernels are written for and
+                                    // tested with (GGUF's 4-bit formats have 32)
+// PREFETCH: at one to four rows, int4_rows_vnni asks for the codes and scales PF groups
+// ahead (8 KB of codes for groups of 32) before it unpacks a group: a block's stream is
+// short (18 KB for a 576-input layer) and crosses a 4 KB page every four groups, where the
+// hardware prefetcher stops. A lone 4-bit decode step (forward and head) took 6-8% less
+// time with it on a 2-core EPYC (Zen 5; the head's own kernel gained nothing from it).
+// Into L2 rather than L1 (as the paged attention's Prefetcher): the 120 4-bit layers took
+// 0.92 of their time at one and at four rows on a 2-core Zen 4, the whole step 0.94. Past
+// a block's last group it asks for the next block's first ones: the codes follow on, but
+// a group's scales are n outputs apart, and each block began with PF groups of scales
+// read on demand (2,430 blocks a step for SmolLM2-135M): 0.94-0.97 of the layers' time at
+// one row, 0.96 at four, the whole lone step 0.95-0.96 (Zen 4). int4_rows_avx2 reads ahead
+// the same way (4 and 16 groups were no faster there: 2-core EPYC Zen 3).
+constexpr int64_t PF = 8;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TIERSERVE_VNNI 1
 // The same product with integer dot products, as llama.cpp computes its 4-bit formats: x
@@ -109,20 +124,6 @@ static at::Tensor dequantize_int4_t_dense(const at::Tensor& codes, const at::Ten
 // and the sums go back to row order once per block (lanes_to_rows). A tile of five rows or
 // more takes a group at a time, every row over each unpacked group (int4_tile_groups), or
 // from TILE_BLOCK_ROWS rows the block's groups unpacked at once (int4_tile_block).
-constexpr int64_t MAX_GROUP = 64;   // the largest group the kernels are written for and
-                                    // tested with (GGUF's 4-bit formats have 32)
-// PREFETCH: at one to four rows, int4_rows_vnni asks for the codes and scales PF groups
-// ahead (8 KB of codes for groups of 32) before it unpacks a group: a block's stream is
-// short (18 KB for a 576-input layer) and crosses a 4 KB page every four groups, where the
-// hardware prefetcher stops. A lone 4-bit decode step (forward and head) took 6-8% less
-// time with it on a 2-core EPYC (Zen 5; the head's own kernel gained nothing from it).
-// Into L2 rather than L1 (as the paged attention's Prefetcher): the 120 4-bit layers took
-// 0.92 of their time at one and at four rows on a 2-core Zen 4, the whole step 0.94. Past
-// a block's last group it asks for the next block's first ones: the codes follow on, but
-// a group's scales are n outputs apart, and each block began with PF groups of scales
-// read on demand (2,430 blocks a step for SmolLM2-135M): 0.94-0.97 of the layers' time at
-// one row, 0.96 at four, the whole lone step 0.95-0.96 (Zen 4).
-constexpr int64_t PF = 8;
 
 // Four consecutive inputs' weights of one block (4 x 32 bytes) as four vectors of u8:
 // lanes of rows [0-3, 16-19, 4-7, 20-23], [8-11, 24-27, 12-15, 28-31], then the same +32.
@@ -421,8 +422,6 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
 // ones, so that after a group the two halves add up to outputs in their own order and the
 // scales need no permuting. A group's int16 sums cannot overflow: at most 64 inputs is 8
 // steps of two products of at most 15 x 128.
-constexpr int64_t MAX_GROUP = 64;
-constexpr int64_t PF = 8;   // groups read ahead, as int4_rows_vnni (PREFETCH)
 constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
 
 static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }

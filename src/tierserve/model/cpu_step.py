@@ -449,7 +449,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing (AVX-512 VNNI "
         "or AVX2)");
   m.attr("int4_kernel") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef TIERSERVE_VNNI
   m.attr("int4_vnni") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
 #else
   m.attr("int4_vnni") = py::bool_(false);
