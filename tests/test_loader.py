@@ -230,8 +230,11 @@ THREADS_AND_QUERIES = [(threads, few) for threads in (1, 2, 3) for few in (1, 3)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 64),
+                                                (32, 4, 64)])
 def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads, dim):
+    """Contexts of one position to several of the AVX2 kernel's 256-position chunks
+    (combined as flash-decoding does), the last one partial."""
     from tierserve.model import cpu_attention, kernels
     kernel = kernels.load()
     if kernel is None:
@@ -240,8 +243,8 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
     num_blocks, bs, batch = 64, 16, 5
     k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, 17, 40, 100, 3])
-    width = 7
+    lens = torch.tensor([1, 17, 300, 600, 3])
+    width = 38
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
                           for _ in range(batch)])
     q = torch.randn(batch, heads, dim, generator=gen).to(dtype)

@@ -20,8 +20,15 @@ instruction with the probabilities in bfloat16: a step's cost per context token 
 The 8-bit cache (`--kv-cache-dtype int8`: int8 rows, a float32 scale per position and KV
 head) has its own loops on integer dot products (`one_sequence_i8`, AVX-512 VNNI): a
 step's attention at 64 sequences took 0.68-0.89 of the bf16 kernel's time
-(benchmarks/decode_attention.py); elsewhere the scalar loop reads it. About 530 lines:
-the C++ is one string, three variants of one algorithm (scalar, bf16, int8) whose
+(benchmarks/decode_attention.py); elsewhere the scalar loop reads it.
+
+On a CPU with AVX2 and without AVX-512 BF16 (a Zen 3; an AVX-512 Xeon before Cooper Lake)
+bfloat16 and float32 caches go to `run_avx2`: 8-lane float32 vectors, and work items of
+(sequence, KV head, 256 positions) combined as flash-decoding combines them, so that one
+long sequence is shared by the threads and a chunk's values are asked for while its keys
+are read. The 30 layers' attention of a lone sequence at 512 positions, read cold, took
+0.43-0.49 of the scalar loop's time (2-core EPYC Zen 3). About 710 lines: the C++ is one
+string, four variants of one algorithm (scalar, bf16, int8, AVX2) whose
 instruction-level differences are the point of each.
 
 The kernel is compiled with the lean step as one extension (model/kernels.py: at install
@@ -34,13 +41,14 @@ import torch
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <math.h>
 #include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -134,37 +142,7 @@ static void one_sequence(const T* q, const C* kc, const C* vc, const float* ks,
   }
 }
 
-#if defined(__AVX512BF16__)
-// The sum of each of 16 vectors: lane i of the result is the sum of v[i]'s lanes. A tree of
-// in-register shuffles (4 levels, 45 instructions for 16 sums) instead of a horizontal
-// reduction per vector (about 8 each).
-static inline __m512 sum16(const __m512* v) {
-  __m512 x[8], y[4];
-  for (int i = 0; i < 8; ++i)  // quarters: [a(q0+q2), a(q1+q3), b(q0+q2), b(q1+q3)]
-    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // quarter m: 4 partial sums of v[4i + m]
-    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
-  const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
-  const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
-  // lane 4m + j holds the sum of v[4j + m]
-  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x44), _mm512_shuffle_ps(z0, z1, 0xEE));
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, w);
-}
-
-// Round n floats to bfloat16 bits (nearest even, as c10 does for finite values).
-static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
-  int64_t t = 0;
-  for (; t + 32 <= n; t += 32)
-    _mm512_storeu_si512(dst + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16),
-                                                              _mm512_loadu_ps(src + t)));
-  const uint32_t* raw = reinterpret_cast<const uint32_t*>(src);
-  for (; t < n; ++t)
-    dst[t] = static_cast<uint16_t>((raw[t] + 0x7FFFu + ((raw[t] >> 16) & 1u)) >> 16);
-}
-
+#if defined(__AVX2__) || defined(__AVX512BF16__)
 // A cursor over a sequence's positions in a paged cache that asks for each position's head
 // slice (D bf16) before it is read, AHEAD positions before (walking the block table as the
 // reads do, without a division per position). A head's keys and values are short strided
@@ -203,6 +181,39 @@ struct Prefetcher {
     if (++off == bs) { off = 0; ++blk; }
   }
 };
+
+#endif
+
+#if defined(__AVX512BF16__)
+// The sum of each of 16 vectors: lane i of the result is the sum of v[i]'s lanes. A tree of
+// in-register shuffles (4 levels, 45 instructions for 16 sums) instead of a horizontal
+// reduction per vector (about 8 each).
+static inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4];
+  for (int i = 0; i < 8; ++i)  // quarters: [a(q0+q2), a(q1+q3), b(q0+q2), b(q1+q3)]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarter m: 4 partial sums of v[4i + m]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  const __m512 z0 = _mm512_add_ps(_mm512_unpacklo_ps(y[0], y[1]), _mm512_unpackhi_ps(y[0], y[1]));
+  const __m512 z1 = _mm512_add_ps(_mm512_unpacklo_ps(y[2], y[3]), _mm512_unpackhi_ps(y[2], y[3]));
+  // lane 4m + j holds the sum of v[4j + m]
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x44), _mm512_shuffle_ps(z0, z1, 0xEE));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, w);
+}
+
+// Round n floats to bfloat16 bits (nearest even, as c10 does for finite values).
+static inline void to_bf16_bits(const float* src, uint16_t* dst, int64_t n) {
+  int64_t t = 0;
+  for (; t + 32 <= n; t += 32)
+    _mm512_storeu_si512(dst + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + t + 16),
+                                                              _mm512_loadu_ps(src + t)));
+  const uint32_t* raw = reinterpret_cast<const uint32_t*>(src);
+  for (; t < n; ++t)
+    dst[t] = static_cast<uint16_t>((raw[t] + 0x7FFFu + ((raw[t] >> 16) & 1u)) >> 16);
+}
 
 // 32 output dimensions from the two accumulators of a value loop that summed two
 // positions' rows interleaved by 16-bit unpacks ([0]: dims {0-3, 8-11, 16-19, 24-27}, [1]:
@@ -429,10 +440,186 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
 #endif
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+// CPUs with AVX2 but without AVX-512 BF16 (a Zen 3; an AVX-512 Xeon before Cooper Lake):
+// one_sequence's algorithm and float32 sums on explicit 8-lane vectors, over a cache in
+// x's dtype (bfloat16 or float32), asking for each position 64 ahead (Prefetcher). The
+// scalar loop, without read-ahead, took a tenth of a lone 4-bit decode step at 128-928
+// tokens of context, on the calling thread two thirds of it (perf, 2-core EPYC Zen 3).
+static inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8f(const at::BFloat16* x) {   // bf16 -> float32: a shift, exact
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
+// Lane i of the result: the sum of v[i]'s lanes.
+static inline __m256 sum8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  // [sums of v0-v3's low halves | of their high halves], the same for v4-v7
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// Positions of a sequence that one work item reads: a whole number of cache blocks near
+// CHUNK_POSITIONS. A long context is split along its positions so that one sequence's
+// attention is shared by the threads (with three KV heads, two threads split a lone
+// sequence 2:1 by head); the split depends only on the sequence's length and the block
+// size, never on the batch, so a sequence's output does not depend on what else runs.
+// Each chunk starts with its first rows unasked-for: with the 30 layers' caches read cold
+// at one sequence of 512 positions (benchmarks/kernel_ab.py --part attention, 2-core
+// EPYC Zen 3) chunks of 64, 128 and 256 took 0.60, 0.49 and 0.43 of the scalar loop's time.
+constexpr int64_t CHUNK_POSITIONS = 256;
+static inline int64_t chunk_positions(int64_t bs) {
+  return std::max<int64_t>(1, CHUNK_POSITIONS / bs) * bs;
+}
+
+// One KV head h over L positions (a chunk: `table` starts at its first block). Keys: eight
+// positions at a time, each row widened once and dotted with the g query heads (8-lane
+// partial sums, then sum8 for the eight positions of a head). Values: each row widened
+// once and added to the g heads' sums with exp(score - the chunk's max). part: per query
+// head, D sums, then the max and the sum of the exponentials, for run_avx2 to combine.
+template <typename T, int D, int G>
+static void chunk_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t L,
+                       int64_t h, int64_t Hkv, int64_t bs, float scale, float* scores,
+                       float* part) {
+  constexpr int V = D / 8;   // vectors of 8 floats per row
+  constexpr int64_t g = G;   // query heads per KV head
+  const int64_t row = Hkv * D;
+  alignas(32) float qf[G][D];
+  for (int64_t j = 0; j < g; ++j)
+    for (int x = 0; x < D; ++x) qf[j][x] = to_float(q[(h * g + j) * D + x]) * scale;
+  int64_t blk = 0, off = 0;
+  Prefetcher<D, T> kpf(kc, nullptr, table, L, bs, row, h);
+  // the values are asked for as the keys are read: the chunk's rows are in L2 (2 x 32 KB
+  // at 256 positions of 64 bf16) when the value loop reads them (0.58 -> 0.49 of the
+  // scalar loop's time, measured as above at chunks of 128)
+  Prefetcher<D, T> vpf(vc, nullptr, table, L, bs, row, h);
+  for (int64_t t0 = 0; t0 < L; t0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, L - t0));
+    __m256 dots[G][8];   // [head][position]: 8-lane partial dots
+    for (int i = 0; i < 8; ++i) {
+      __m256 a[G];
+      for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
+      if (i < n) {
+        const T* k = kc + (table[blk] * bs + off) * row + h * D;
+        if (++off == bs) { off = 0; ++blk; }
+        kpf.next();
+        vpf.next();
+        for (int u = 0; u < V; ++u) {
+          const __m256 kv = load8f(k + 8 * u);
+          for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + 8 * u), kv, a[j]);
+        }
+      }
+      for (int j = 0; j < G; ++j) dots[j][i] = a[j];
+    }
+    for (int64_t j = 0; j < g; ++j) {
+      if (n == 8) {
+        _mm256_storeu_ps(scores + j * L + t0, sum8(dots[j]));
+        continue;
+      }
+      alignas(32) float d8[8];
+      _mm256_store_ps(d8, sum8(dots[j]));
+      std::memcpy(scores + j * L + t0, d8, n * sizeof(float));
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {   // exp(score - max), their sum: softmax's numerators
+    float* sj = scores + j * L;
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
+    for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
+    for (int64_t t = 0; t < L; ++t) sum += sj[t];
+    part[j * (D + 2) + D] = mx;
+    part[j * (D + 2) + D + 1] = sum;
+  }
+  // Values, W vectors of 8 dimensions at a time, so that the G heads' sums, a row's W
+  // vectors and a probability fit in the 16 registers (G = 3: 17 with W = 4, which
+  // spilled); the chunk's rows are read from L2 again after the first pass.
+  constexpr int W = G <= 2 ? 4 : (G <= 5 ? 2 : 1);
+  for (int d0 = 0; d0 < D; d0 += 8 * W) {
+    __m256 acc[G][W];
+    for (int j = 0; j < G; ++j)
+      for (int u = 0; u < W; ++u) acc[j][u] = _mm256_setzero_ps();
+    blk = off = 0;
+    for (int64_t t = 0; t < L; ++t) {
+      const T* v = vc + (table[blk] * bs + off) * row + h * D + d0;
+      if (++off == bs) { off = 0; ++blk; }
+      __m256 vv[W];
+      for (int u = 0; u < W; ++u) vv[u] = load8f(v + 8 * u);
+      for (int j = 0; j < G; ++j) {
+        const __m256 p = _mm256_set1_ps(scores[j * L + t]);
+        for (int u = 0; u < W; ++u) acc[j][u] = _mm256_fmadd_ps(p, vv[u], acc[j][u]);
+      }
+    }
+    for (int j = 0; j < G; ++j)
+      for (int u = 0; u < W; ++u) _mm256_storeu_ps(part + j * (D + 2) + d0 + 8 * u, acc[j][u]);
+  }
+}
+
+// run() on AVX2: work items are (sequence, KV head, chunk of positions), taken by the
+// threads in contiguous ranges; then each query head's chunks are combined in order
+// (rescaled to the largest max: flash-decoding's reduction).
+template <typename T, int D>
+static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                     const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
+                     int64_t width, float scale) {
+  const int64_t g = H / Hkv, chunk = chunk_positions(bs);
+  std::vector<int64_t> first(B + 1, 0);   // each sequence's first item
+  for (int64_t s = 0; s < B; ++s)
+    first[s + 1] = first[s] + Hkv * std::max<int64_t>(1, (lens[s] + chunk - 1) / chunk);
+  std::vector<float> parts(first[B] * g * (D + 2));
+  at::parallel_for(0, first[B], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(8 * chunk);
+    int64_t s = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first[s + 1]) ++s;
+      const int64_t chunks = (first[s + 1] - first[s]) / Hkv, local = item - first[s];
+      const int64_t h = local / chunks, t0 = local % chunks * chunk;
+      const T* qs = q + s * H * D;
+      const int64_t* table = tables + s * width + t0 / bs;
+      const int64_t L = std::min(chunk, lens[s] - t0);
+      float* part = parts.data() + item * g * (D + 2);
+      switch (g) {   // query heads per KV head, known to the compiler: sums in registers
+#define TS_G(G) case G: chunk_avx2<T, D, G>(qs, kc, vc, table, L, h, Hkv, bs, scale, scores.data(), part); break;
+        TS_G(1) TS_G(2) TS_G(3) TS_G(4) TS_G(5) TS_G(6) TS_G(7)
+        default: chunk_avx2<T, D, 8>(qs, kc, vc, table, L, h, Hkv, bs, scale, scores.data(), part);
+#undef TS_G
+      }
+    }
+  });
+  at::parallel_for(0, B * Hkv, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / Hkv, h = i % Hkv, chunks = (first[s + 1] - first[s]) / Hkv;
+      const float* p0 = parts.data() + (first[s] + h * chunks) * g * (D + 2);
+      for (int64_t j = 0; j < g; ++j) {
+        float top = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) top = std::max(top, p0[(c * g + j) * (D + 2) + D]);
+        alignas(32) float o[D] = {};
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* pc = p0 + (c * g + j) * (D + 2);
+          const float w = pc[D + 1] > 0.f ? expf(pc[D] - top) : 0.f;
+          total += w * pc[D + 1];
+          for (int x = 0; x < D; ++x) o[x] += w * pc[x];
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int x = 0; x < D; ++x) out[(s * H + h * g + j) * D + x] = static_cast<T>(o[x] * inv);
+      }
+    }
+  });
+}
+#endif
+
 template <typename T, typename C, int D>
 static void run(const T* q, const C* kc, const C* vc, const float* ks, const float* vs,
                 const int64_t* tables, const int64_t* lens, T* out, int64_t B, int64_t H,
                 int64_t Hkv, int64_t bs, int64_t width, float scale) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+  if constexpr ((std::is_same<T, at::BFloat16>::value || std::is_same<T, float>::value) &&
+                std::is_same<C, T>::value) {
+    run_avx2<T, D>(q, kc, vc, tables, lens, out, B, H, Hkv, bs, width, scale);
+    return;
+  }
+#endif
   int64_t max_len = 0;
   for (int64_t s = 0; s < B; ++s) max_len = std::max(max_len, lens[s]);
   // Queries are taken from both ends in turn (0, B-1, 1, B-2, ...): a speculating decode's
