@@ -279,7 +279,7 @@ def test_paged_decode_on_an_int8_cache_matches_attention_over_its_values(dtype, 
     if kernel is None:
         pytest.skip("no C++ toolchain: the torch path is used instead")
     gen = torch.Generator().manual_seed(1)
-    num_blocks, bs, batch, width = 64, 16, 5, 7
+    num_blocks, bs, batch = 64, 16, 5
 
     def int8_cache():
         x = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
@@ -288,7 +288,7 @@ def test_paged_decode_on_an_int8_cache_matches_attention_over_its_values(dtype, 
         return torch.round(x / scale[..., None]).to(torch.int8), scale
 
     (k8, ks), (v8, vs) = int8_cache(), int8_cache()
-    lens = torch.tensor([1, 17, 40, 100, 3])
+    width, lens = 38, torch.tensor([1, 17, 300, 600, 3])   # several 256-position chunks
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
                           for _ in range(batch)])
     q = torch.randn(batch, heads, dim, generator=gen).to(dtype)

@@ -20,14 +20,15 @@ instruction with the probabilities in bfloat16: a step's cost per context token 
 The 8-bit cache (`--kv-cache-dtype int8`: int8 rows, a float32 scale per position and KV
 head) has its own loops on integer dot products (`one_sequence_i8`, AVX-512 VNNI): a
 step's attention at 64 sequences took 0.68-0.89 of the bf16 kernel's time
-(benchmarks/decode_attention.py); elsewhere the scalar loop reads it.
+(benchmarks/decode_attention.py); elsewhere the AVX2 loops or the scalar one read it.
 
 On a CPU with AVX2 and without AVX-512 BF16 (a Zen 3; an AVX-512 Xeon before Cooper Lake)
-bfloat16 and float32 caches go to `run_avx2`: 8-lane float32 vectors, and work items of
+bfloat16, float32 and 8-bit caches go to `run_avx2`: 8-lane float32 vectors, and work items of
 (sequence, KV head, 256 positions) combined as flash-decoding combines them, so that one
 long sequence is shared by the threads and a chunk's values are asked for while its keys
 are read. The 30 layers' attention of a lone sequence at 512 positions, read cold, took
-0.43-0.49 of the scalar loop's time (2-core EPYC Zen 3). About 710 lines: the C++ is one
+0.43-0.49 of the scalar loop's time, and the 8-bit cache's at 64 sequences 0.37-0.58
+(2-core EPYC Zen 3). About 720 lines: the C++ is one
 string, four variants of one algorithm (scalar, bf16, int8, AVX2) whose
 instruction-level differences are the point of each.
 
@@ -451,6 +452,9 @@ static inline __m256 load8f(const at::BFloat16* x) {   // bf16 -> float32: a shi
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
 }
+static inline __m256 load8f(const int8_t* x) {   // the 8-bit cache's values, unscaled
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
+}
 
 // Lane i of the result: the sum of v[i]'s lanes.
 static inline __m256 sum8(const __m256* v) {
@@ -479,10 +483,13 @@ static inline int64_t chunk_positions(int64_t bs) {
 // partial sums, then sum8 for the eight positions of a head). Values: each row widened
 // once and added to the g heads' sums with exp(score - the chunk's max). part: per query
 // head, D sums, then the max and the sum of the exponentials, for run_avx2 to combine.
-template <typename T, int D, int G>
-static void chunk_avx2(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t L,
-                       int64_t h, int64_t Hkv, int64_t bs, float scale, float* scores,
-                       float* part) {
+// C: the cache's element type, T's own or int8_t with a scale per position and KV head in
+// ks / vs (null for T's): a key's dots are scaled after the sum, a value's probability
+// before.
+template <typename T, typename C, int D, int G>
+static void chunk_avx2(const T* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                       const int64_t* table, int64_t L, int64_t h, int64_t Hkv, int64_t bs,
+                       float scale, float* scores, float* part) {
   constexpr int V = D / 8;   // vectors of 8 floats per row
   constexpr int64_t g = G;   // query heads per KV head
   const int64_t row = Hkv * D;
@@ -490,19 +497,22 @@ static void chunk_avx2(const T* q, const T* kc, const T* vc, const int64_t* tabl
   for (int64_t j = 0; j < g; ++j)
     for (int x = 0; x < D; ++x) qf[j][x] = to_float(q[(h * g + j) * D + x]) * scale;
   int64_t blk = 0, off = 0;
-  Prefetcher<D, T> kpf(kc, nullptr, table, L, bs, row, h);
+  Prefetcher<D, C> kpf(kc, ks, table, L, bs, row, h);
   // the values are asked for as the keys are read: the chunk's rows are in L2 (2 x 32 KB
   // at 256 positions of 64 bf16) when the value loop reads them (0.58 -> 0.49 of the
   // scalar loop's time, measured as above at chunks of 128)
-  Prefetcher<D, T> vpf(vc, nullptr, table, L, bs, row, h);
+  Prefetcher<D, C> vpf(vc, vs, table, L, bs, row, h);
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, L - t0));
     __m256 dots[G][8];   // [head][position]: 8-lane partial dots
+    alignas(32) float ksc[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
     for (int i = 0; i < 8; ++i) {
       __m256 a[G];
       for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
       if (i < n) {
-        const T* k = kc + (table[blk] * bs + off) * row + h * D;
+        const int64_t pos = table[blk] * bs + off;
+        if (ks) ksc[i] = ks[pos * Hkv + h];
+        const C* k = kc + pos * row + h * D;
         if (++off == bs) { off = 0; ++blk; }
         kpf.next();
         vpf.next();
@@ -513,13 +523,14 @@ static void chunk_avx2(const T* q, const T* kc, const T* vc, const int64_t* tabl
       }
       for (int j = 0; j < G; ++j) dots[j][i] = a[j];
     }
+    const __m256 kscale = _mm256_load_ps(ksc);
     for (int64_t j = 0; j < g; ++j) {
       if (n == 8) {
-        _mm256_storeu_ps(scores + j * L + t0, sum8(dots[j]));
+        _mm256_storeu_ps(scores + j * L + t0, _mm256_mul_ps(sum8(dots[j]), kscale));
         continue;
       }
       alignas(32) float d8[8];
-      _mm256_store_ps(d8, sum8(dots[j]));
+      _mm256_store_ps(d8, _mm256_mul_ps(sum8(dots[j]), kscale));
       std::memcpy(scores + j * L + t0, d8, n * sizeof(float));
     }
   }
@@ -542,12 +553,14 @@ static void chunk_avx2(const T* q, const T* kc, const T* vc, const int64_t* tabl
       for (int u = 0; u < W; ++u) acc[j][u] = _mm256_setzero_ps();
     blk = off = 0;
     for (int64_t t = 0; t < L; ++t) {
-      const T* v = vc + (table[blk] * bs + off) * row + h * D + d0;
+      const int64_t pos = table[blk] * bs + off;
+      const C* v = vc + pos * row + h * D + d0;
+      const float vsc = vs ? vs[pos * Hkv + h] : 1.f;
       if (++off == bs) { off = 0; ++blk; }
       __m256 vv[W];
       for (int u = 0; u < W; ++u) vv[u] = load8f(v + 8 * u);
       for (int j = 0; j < G; ++j) {
-        const __m256 p = _mm256_set1_ps(scores[j * L + t]);
+        const __m256 p = _mm256_set1_ps(scores[j * L + t] * vsc);
         for (int u = 0; u < W; ++u) acc[j][u] = _mm256_fmadd_ps(p, vv[u], acc[j][u]);
       }
     }
@@ -559,10 +572,10 @@ static void chunk_avx2(const T* q, const T* kc, const T* vc, const int64_t* tabl
 // run() on AVX2: work items are (sequence, KV head, chunk of positions), taken by the
 // threads in contiguous ranges; then each query head's chunks are combined in order
 // (rescaled to the largest max: flash-decoding's reduction).
-template <typename T, int D>
-static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                     const int64_t* lens, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t bs,
-                     int64_t width, float scale) {
+template <typename T, typename C, int D>
+static void run_avx2(const T* q, const C* kc, const C* vc, const float* ks, const float* vs,
+                     const int64_t* tables, const int64_t* lens, T* out, int64_t B, int64_t H,
+                     int64_t Hkv, int64_t bs, int64_t width, float scale) {
   const int64_t g = H / Hkv, chunk = chunk_positions(bs);
   std::vector<int64_t> first(B + 1, 0);   // each sequence's first item
   for (int64_t s = 0; s < B; ++s)
@@ -580,9 +593,9 @@ static void run_avx2(const T* q, const T* kc, const T* vc, const int64_t* tables
       const int64_t L = std::min(chunk, lens[s] - t0);
       float* part = parts.data() + item * g * (D + 2);
       switch (g) {   // query heads per KV head, known to the compiler: sums in registers
-#define TS_G(G) case G: chunk_avx2<T, D, G>(qs, kc, vc, table, L, h, Hkv, bs, scale, scores.data(), part); break;
+#define TS_G(G) case G: chunk_avx2<T, C, D, G>(qs, kc, vc, ks, vs, table, L, h, Hkv, bs, scale, scores.data(), part); break;
         TS_G(1) TS_G(2) TS_G(3) TS_G(4) TS_G(5) TS_G(6) TS_G(7)
-        default: chunk_avx2<T, D, 8>(qs, kc, vc, table, L, h, Hkv, bs, scale, scores.data(), part);
+        default: chunk_avx2<T, C, D, 8>(qs, kc, vc, ks, vs, table, L, h, Hkv, bs, scale, scores.data(), part);
 #undef TS_G
       }
     }
@@ -615,8 +628,8 @@ static void run(const T* q, const C* kc, const C* vc, const float* ks, const flo
                 int64_t Hkv, int64_t bs, int64_t width, float scale) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
   if constexpr ((std::is_same<T, at::BFloat16>::value || std::is_same<T, float>::value) &&
-                std::is_same<C, T>::value) {
-    run_avx2<T, D>(q, kc, vc, tables, lens, out, B, H, Hkv, bs, width, scale);
+                (std::is_same<C, T>::value || std::is_same<C, int8_t>::value)) {
+    run_avx2<T, C, D>(q, kc, vc, ks, vs, tables, lens, out, B, H, Hkv, bs, width, scale);
     return;
   }
 #endif
