@@ -243,7 +243,7 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
     num_blocks, bs, batch = 64, 16, 5
     k_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(dtype)
-    lens = torch.tensor([1, 17, 300, 600, 3])
+    lens = torch.tensor([1, 17, 300, 600, 512])
     width = 38
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width]
                           for _ in range(batch)])
@@ -263,6 +263,33 @@ def test_paged_decode_kernel_matches_torch_attention(dtype, tol, heads, kv_heads
             alone = cpu_attention.paged_decode(kernel, q[-few:], k_cache, v_cache,
                                                tables[-few:], lens[-few:])
         assert torch.equal(alone, out[-few:])
+
+
+@pytest.mark.parametrize("bs", [5, 48])
+def test_paged_decode_with_blocks_that_do_not_divide_its_chunks(bs):
+    """Block sizes that do not divide the AVX2 kernel's 256 positions: its chunks are whole
+    blocks (255 and 240 positions here), contexts around their edges."""
+    from tierserve.model import cpu_attention, kernels
+    kernel = kernels.load()
+    if kernel is None:
+        pytest.skip("no C++ toolchain: the torch path is used instead")
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim = 14, 2, 64     # 7 query heads per KV head
+    lens = torch.tensor([1, 239, 240, 255, 256, 700])
+    width = -(-700 // bs)
+    num_blocks = width + 9
+    k_cache, v_cache = (torch.randn(num_blocks, bs, kv_heads, dim, generator=gen)
+                        .to(torch.bfloat16) for _ in "kv")
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
+    q = torch.randn(len(lens), heads, dim, generator=gen).to(torch.bfloat16)
+    out = cpu_attention.paged_decode(kernel, q, k_cache, v_cache, tables, lens)
+    keys, values = k_cache[tables].flatten(1, 2), v_cache[tables].flatten(1, 2)
+    mask = (torch.arange(width * bs)[None] < lens[:, None])[:, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.view(len(lens), kv_heads, heads // kv_heads, dim).float(),
+        keys.transpose(1, 2).float(), values.transpose(1, 2).float(),
+        attn_mask=mask).reshape(len(lens), heads, dim)
+    assert (out.float() - ref).abs().max().item() < 2e-2
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

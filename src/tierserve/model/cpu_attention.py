@@ -23,12 +23,13 @@ step's attention at 64 sequences took 0.68-0.89 of the bf16 kernel's time
 (benchmarks/decode_attention.py); elsewhere the AVX2 loops or the scalar one read it.
 
 On a CPU with AVX2 and without AVX-512 BF16 (a Zen 3; an AVX-512 Xeon before Cooper Lake)
-bfloat16, float32 and 8-bit caches go to `run_avx2`: 8-lane float32 vectors, and work items of
+bfloat16 and float32 queries over their own dtype's cache or the 8-bit one go to
+`run_avx2`: 8-lane float32 vectors, and work items of
 (sequence, KV head, 256 positions) combined as flash-decoding combines them, so that one
 long sequence is shared by the threads and a chunk's values are asked for while its keys
 are read. The 30 layers' attention of a lone sequence at 512 positions, read cold, took
 0.43-0.49 of the scalar loop's time, and the 8-bit cache's at 64 sequences 0.37-0.58
-(2-core EPYC Zen 3). About 720 lines: the C++ is one
+(2-core EPYC Zen 3). About 730 lines: the C++ is one
 string, four variants of one algorithm (scalar, bf16, int8, AVX2) whose
 instruction-level differences are the point of each.
 
@@ -145,7 +146,7 @@ static void one_sequence(const T* q, const C* kc, const C* vc, const float* ks,
 
 #if defined(__AVX2__) || defined(__AVX512BF16__)
 // A cursor over a sequence's positions in a paged cache that asks for each position's head
-// slice (D bf16) before it is read, AHEAD positions before (walking the block table as the
+// slice (D values) before it is read, AHEAD positions before (walking the block table as the
 // reads do, without a division per position). A head's keys and values are short strided
 // pieces of each position's row (128 of 384 bytes for SmolLM2) scattered over the blocks:
 // without it, at 600 tokens of context, the attention of 30 layers read its 14 MB at
@@ -156,7 +157,7 @@ static void one_sequence(const T* q, const C* kc, const C* vc, const float* ks,
 // the L3 hint, no better; whole rows for every head at once, worse). An L1 hint fills the
 // small L1 with lines needed only 32 positions later, probably pushing out ones in use.
 constexpr int64_t AHEAD = 64;
-// E: the cache's element type (bfloat16, or int8_t for the 8-bit cache, whose scales, one
+// E: the cache's element type (bfloat16 or float32, or int8_t for the 8-bit cache, whose scales, one
 // float per position and KV head, are asked for a block at a time).
 template <int D, typename E>
 struct Prefetcher {
@@ -443,8 +444,9 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
 // CPUs with AVX2 but without AVX-512 BF16 (a Zen 3; an AVX-512 Xeon before Cooper Lake):
-// one_sequence's algorithm and float32 sums on explicit 8-lane vectors, over a cache in
-// x's dtype (bfloat16 or float32), asking for each position 64 ahead (Prefetcher). The
+// one_sequence's float32 sums on explicit 8-lane vectors, over a cache in q's dtype
+// (bfloat16 or float32) or the 8-bit one, in chunks of positions combined at the end
+// (run_avx2), asking for each position 64 ahead (Prefetcher). The
 // scalar loop, without read-ahead, took a tenth of a lone 4-bit decode step at 128-928
 // tokens of context, on the calling thread two thirds of it (perf, 2-core EPYC Zen 3).
 static inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
@@ -546,7 +548,7 @@ static void chunk_avx2(const T* q, const C* kc, const C* vc, const float* ks, co
   // Values, W vectors of 8 dimensions at a time, so that the G heads' sums, a row's W
   // vectors and a probability fit in the 16 registers (G = 3: 17 with W = 4, which
   // spilled); the chunk's rows are read from L2 again after the first pass.
-  constexpr int W = G <= 2 ? 4 : (G <= 5 ? 2 : 1);
+  constexpr int W = G <= 2 ? 4 : (G <= 6 ? 2 : 1);
   for (int d0 = 0; d0 < D; d0 += 8 * W) {
     __m256 acc[G][W];
     for (int j = 0; j < G; ++j)
