@@ -73,14 +73,23 @@ static inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(raw[i]) << 16;
 }
 
+// L scores replaced by exp(score - their max), in place; the max and the sum returned
+// (softmax's numerators: run_avx2 combines chunks of a row from these).
+static inline void exp_shifted(float* s, int64_t L, float* max, float* sum) {
+  float mx = -INFINITY, total = 0.f;
+  for (int64_t t = 0; t < L; ++t) mx = std::max(mx, s[t]);
+  for (int64_t t = 0; t < L; ++t) s[t] = expf(s[t] - mx);
+  for (int64_t t = 0; t < L; ++t) total += s[t];
+  *max = mx;
+  *sum = total;
+}
+
 // Softmax of each of g rows of L scores, in place.
 static inline void softmax_rows(float* scores, int64_t g, int64_t L) {
   for (int64_t j = 0; j < g; ++j) {
     float* sj = scores + j * L;
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
-    for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
-    for (int64_t t = 0; t < L; ++t) sum += sj[t];
+    float mx, sum;
+    exp_shifted(sj, L, &mx, &sum);
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < L; ++t) sj[t] *= inv;
   }
@@ -143,6 +152,16 @@ static void one_sequence(const T* q, const C* kc, const C* vc, const float* ks,
       for (int x = 0; x < D; ++x) out[(h * g + j) * D + x] = static_cast<T>(acc[j][x]);
   }
 }
+
+#if defined(__AVX2__)
+// Eight values as float32: the AVX2 attention's rows here, cpu_quant's x and scales (this
+// source is the extension's first part).
+static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+static inline __m256 load8(const at::BFloat16* x) {   // bf16 -> float32: a shift, exact
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+#endif
 
 #if defined(__AVX2__) || defined(__AVX512BF16__)
 // A cursor over a sequence's positions in a paged cache that asks for each position's head
@@ -449,12 +468,7 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
 // (run_avx2), asking for each position 64 ahead (Prefetcher). The
 // scalar loop, without read-ahead, took a tenth of a lone 4-bit decode step at 128-928
 // tokens of context, on the calling thread two thirds of it (perf, 2-core EPYC Zen 3).
-static inline __m256 load8f(const float* x) { return _mm256_loadu_ps(x); }
-static inline __m256 load8f(const at::BFloat16* x) {   // bf16 -> float32: a shift, exact
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
-}
-static inline __m256 load8f(const int8_t* x) {   // the 8-bit cache's values, unscaled
+static inline __m256 load8(const int8_t* x) {   // the 8-bit cache's values, unscaled
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x))));
 }
 
@@ -519,7 +533,7 @@ static void chunk_avx2(const T* q, const C* kc, const C* vc, const float* ks, co
         kpf.next();
         vpf.next();
         for (int u = 0; u < V; ++u) {
-          const __m256 kv = load8f(k + 8 * u);
+          const __m256 kv = load8(k + 8 * u);
           for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_load_ps(qf[j] + 8 * u), kv, a[j]);
         }
       }
@@ -536,15 +550,8 @@ static void chunk_avx2(const T* q, const C* kc, const C* vc, const float* ks, co
       std::memcpy(scores + j * L + t0, d8, n * sizeof(float));
     }
   }
-  for (int64_t j = 0; j < g; ++j) {   // exp(score - max), their sum: softmax's numerators
-    float* sj = scores + j * L;
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sj[t]);
-    for (int64_t t = 0; t < L; ++t) sj[t] = expf(sj[t] - mx);
-    for (int64_t t = 0; t < L; ++t) sum += sj[t];
-    part[j * (D + 2) + D] = mx;
-    part[j * (D + 2) + D + 1] = sum;
-  }
+  for (int64_t j = 0; j < g; ++j)
+    exp_shifted(scores + j * L, L, part + j * (D + 2) + D, part + j * (D + 2) + D + 1);
   // Values, W vectors of 8 dimensions at a time, so that the G heads' sums, a row's W
   // vectors and a probability fit in the 16 registers (G = 3: 17 with W = 4, which
   // spilled); the chunk's rows are read from L2 again after the first pass.
@@ -560,7 +567,7 @@ static void chunk_avx2(const T* q, const C* kc, const C* vc, const float* ks, co
       const float vsc = vs ? vs[pos * Hkv + h] : 1.f;
       if (++off == bs) { off = 0; ++blk; }
       __m256 vv[W];
-      for (int u = 0; u < W; ++u) vv[u] = load8f(v + 8 * u);
+      for (int u = 0; u < W; ++u) vv[u] = load8(v + 8 * u);
       for (int j = 0; j < G; ++j) {
         const __m256 p = _mm256_set1_ps(scores[j * L + t] * vsc);
         for (int u = 0; u < W; ++u) acc[j][u] = _mm256_fmadd_ps(p, vv[u], acc[j][u]);

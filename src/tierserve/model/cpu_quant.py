@@ -424,11 +424,7 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
 // steps of two products of at most 15 x 128.
 constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
 
-static inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-static inline __m256 load8(const at::BFloat16* x) {   // bf16 -> float32: a shift, exact
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
+// load8 (eight float32 or bfloat16 values as float32): cpu_attention.py's
 
 // x [M, K] rounded to int8 per group as the VNNI quantize_rows rounds it: xq, its scale d
 // per group and d times the sum of the group's xq.
