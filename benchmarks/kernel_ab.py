@@ -3,7 +3,7 @@ pass and head as git REV holds them (A) against the working tree's (B).
 
     python benchmarks/kernel_ab.py [--rev HEAD] [--streams 1] [--context 128]
                                    [--quantization gguf] [--rounds 20] [--calls 40]
-                                   [--part step|int4|attention]
+                                   [--part step|int4|attention|head]
 
 Both extensions are compiled from source (cached under ~/.cache/torch_extensions by the
 source's hash) and run over the same model weights and KV caches, on the inputs of one
@@ -22,7 +22,8 @@ read of as many other bytes as a layer's weights, a different slice for each lay
 a step streams between two attentions, so the caches are read cold, as in a step).
 The lean step's AMX copies (model/cpu_step.py, DENSE_ROWS) are off here, so that both
 versions run their own kernels at any width (and an older version, which has no copies,
-can be built at all).
+can be built at all). `--part head` times only the lm_head (the lean step's logits) at
+`--streams` rows of random input, as the step's head runs for each version.
 """
 
 import argparse
@@ -177,6 +178,32 @@ def attention(versions: dict, engine, args, cpu: str) -> int:
     return 0
 
 
+def head(versions: dict, engine, args, cpu: str) -> int:
+    """A against B on the lm_head alone, `--streams` rows of random x."""
+    import torch
+    from tierserve.model import cpu_step
+
+    runner = engine.runner
+    lean = {k: cpu_step.LeanForward(m, runner.model, runner.kv_caches)
+            for k, m in versions.items()}
+    width = runner.model.lm_head.in_features
+    x = torch.randn(args.streams, width, generator=torch.Generator().manual_seed(0))
+    x = x.to(torch.bfloat16)
+    same = lean["A"].logits(x).equal(lean["B"].logits(x))
+    times = {"A": [], "B": []}
+    for r in range(args.rounds):
+        for k in ("AB" if r % 2 else "BA"):
+            for _ in range(args.calls):
+                begin = time.perf_counter()
+                lean[k].logits(x)
+                times[k].append(time.perf_counter() - begin)
+    a, b = (statistics.median(times[k]) * 1e3 for k in "AB")
+    print(f"kernel_ab cpu='{cpu}' quantization={args.quantization} part=head rows="
+          f"{args.streams} rev={args.rev} outputs_equal={same} | "
+          f"ms A {a:.3f} B {b:.3f} B/A {b / a:.3f}")
+    return 0
+
+
 def main(argv=None) -> int:
     os.environ["TIERSERVE_NO_DENSE_COPY"] = "1"    # see the docstring
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -188,10 +215,11 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--part", choices=("step", "int4", "attention"), default="step",
+    p.add_argument("--part", choices=("step", "int4", "attention", "head"), default="step",
                    help="int4: the 4-bit layers alone at --streams rows of random x (the "
                         "tile kernel from 5 rows; --context is not used); attention: the "
-                        "paged decode attention of every layer alone, read cold")
+                        "paged decode attention of every layer alone, read cold; head: "
+                        "the lm_head alone at --streams rows of random x")
     args = p.parse_args(argv)
     for name in ("streams", "rounds", "calls"):
         if getattr(args, name) < 1:
@@ -210,6 +238,8 @@ def main(argv=None) -> int:
         return int4_layers(versions, engine, args, cpu_model())
     if args.part == "attention":
         return attention(versions, engine, args, cpu_model())
+    if args.part == "head":
+        return head(versions, engine, args, cpu_model())
     start_decoding(engine, args.streams, args.context, seed=0)
     runner = engine.runner
     lean = {k: cpu_step.LeanForward(m, runner.model, runner.kv_caches)

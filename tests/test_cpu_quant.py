@@ -171,7 +171,7 @@ def _rounded_head(kernel, x, weight, scales):
     """The head on integer dots this CPU has: AVX-512 VNNI's (weights repacked) or AVX2's."""
     if getattr(kernel, "int8_vnni", False):
         return kernel.int8_matmul_vnni(x, kernel.pack_int8_vnni(weight), scales, weight.shape[0])
-    return kernel.int8_matmul_avx2(x, weight, scales)
+    return kernel.int8_matmul_avx2(x, kernel.pack_int8_avx2(weight), scales, weight.shape[0])
 
 
 @int8_vnni

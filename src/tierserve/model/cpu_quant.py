@@ -950,62 +950,83 @@ static at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& w, const at
 
 // The lm_head with integer dot products (cpu_step.py's set_head): int8 weights [N, K], one
 // scale per output row, against x rounded to int8 per group of 32 inputs as int4_matmul
-// rounds it. vpdpbusd multiplies unsigned by signed bytes, so the weights are repacked
-// once (pack_int8_vnni) as w + 128 in tiles of 32 outputs, [N/32][K/4][32 outputs][4
-// inputs]: one 64-byte load is 16 outputs x 4 inputs, and x's four bytes are broadcast.
-// The +128 comes back as one number per row, 128 d sum(xq) over its groups (quantize_rows'
-// xsum). Outputs sit in lanes, so nothing is summed across a vector, and a group's sums
-// are scaled in float32 once per 16 outputs: 2.2x the bf16 kernel above at 1 to 128 rows.
-static at::Tensor pack_int8_vnni(const at::Tensor& w) {
+// rounds it. Both kernels hold the weights repacked once in tiles of T outputs,
+// [N/T][K/4][T outputs][4 inputs], so that one load is T/4 outputs' next four inputs
+// each and x's four bytes are broadcast: outputs sit in lanes, nothing is summed across
+// a vector, and a group's integer sums are scaled in float32 once per vector of outputs.
+// flip adds 128 to each weight (vpdpbusd multiplies unsigned by signed bytes).
+static at::Tensor pack_int8_tiles(const at::Tensor& w, int64_t tile, bool flip) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 2);
   const int64_t n = w.size(0), k = w.size(1);
-  TORCH_CHECK(n % 32 == 0 && k % 32 == 0, "pack_int8_vnni needs N and K multiples of 32");
+  TORCH_CHECK(n % tile == 0 && k % 32 == 0, "an int8 head's packing needs N a multiple of ",
+              tile, " and K of 32");
   at::Tensor out = at::empty({n * k}, w.options().dtype(at::kByte));
   const int8_t* src = w.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  at::parallel_for(0, n / 32, 1, [&](int64_t t0, int64_t t1) {
+  const uint8_t add = flip ? 0x80u : 0u;
+  at::parallel_for(0, n / tile, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t s = 0; s < k / 4; ++s)
-        for (int64_t o = 0; o < 32; ++o)
+        for (int64_t o = 0; o < tile; ++o)
           for (int64_t i = 0; i < 4; ++i)
-            dst[((t * (k / 4) + s) * 32 + o) * 4 + i] =
-                static_cast<uint8_t>(src[(t * 32 + o) * k + 4 * s + i]) ^ 0x80u;
+            dst[((t * (k / 4) + s) * tile + o) * 4 + i] =
+                static_cast<uint8_t>(src[(t * tile + o) * k + 4 * s + i]) ^ add;
   });
   return out;
 }
 
+// int8_matmul_vnni's packing: tiles of 32 outputs (16 per 64-byte load), w + 128. The
+// +128 comes back as one number per row, 128 d sum(xq) over its groups (quantize_rows'
+// xsum): 2.2x the bf16 kernel above at 1 to 128 rows.
+static at::Tensor pack_int8_vnni(const at::Tensor& w) { return pack_int8_tiles(w, 32, true); }
+
+// int8_matmul_avx2's packing: tiles of 16 outputs (8 per 32-byte load), w as it is.
+static at::Tensor pack_int8_avx2(const at::Tensor& w) { return pack_int8_tiles(w, 16, false); }
+
 #if defined(TIERSERVE_INT4_AVX2)
-// The lm_head on AVX2 (no VNNI): int8 weights [N, K] as held, one scale per output row,
-// against x rounded to int8 per group of 32 as int4_matmul rounds it (what
-// int8_matmul_vnni computes where VNNI is). vpmaddubsw multiplies unsigned by signed bytes
-// and saturates each pair's sum at int16, so a product is taken as |w| times x with w's
-// sign (a pair at most 2 x 127 x 127: no saturation), and the weights need no repacking.
-// Each weight row is read once for R rows of x, its group sums scaled by x's d in float32.
+// The lm_head on AVX2 (no VNNI), what int8_matmul_vnni computes where VNNI is, on
+// pack_int8_avx2's tiles of 16 outputs. vpmaddubsw multiplies unsigned by signed bytes and
+// saturates each pair's sum at int16, so a product is taken as |w| times x with w's sign
+// (a pair at most 2 x 127 x 127: no saturation), then vpmaddwd sums pairs to int32. A
+// group's 32 inputs are 8 steps of two loads, each used for R rows of x (one broadcast of
+// x's four bytes serves both); each row's group sum is exact in int32 and scaled once by
+// x's d in float32, per 8 outputs. Against the earlier layout (one output row per pass, a
+// float scaling per group and row, a sum across the vector at the end): the head at 16
+// and 64 rows in 0.68x the time, at one row 0.82x (Zen 3; docs/benchmarks.md).
 template <int R, typename Y>
-static void int8_rows_avx2(const int8_t* xq, const float* dx, const int8_t* w, const float* sc,
-                           Y* y, int64_t o0, int64_t o1, int64_t n, int64_t k) {
-  const int64_t groups = k / 32;
+static void int8_tile_avx2(const int8_t* wt, const int32_t* xq4, const float* dx,
+                           const float* sc, Y* y, int64_t k, int64_t n, int64_t groups) {
+  const int64_t steps = k / 4;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t o = o0; o < o1; ++o) {
-    const int8_t* wr = w + o * k;
-    __m256 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + 32 * g));
-      const __m256i wa = _mm256_sign_epi8(wv, wv);
+  __m256 tot[R][2];
+  for (int r = 0; r < R; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t s = g * 8; s < g * 8 + 8; ++s) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
+      const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + 32 * g));
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[r * groups + g]), acc[r]);
+        const __m256i xb = _mm256_set1_epi32(xq4[r * steps + s]);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, w0)), ones));
+        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(
+            _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, w1)), ones));
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      const float v = _mm_cvtss_f32(h) * sc[o];
-      narrow(&v, y + r * n + o, 1);
+      const __m256 d = _mm256_set1_ps(dx[r * groups + g]);
+      tot[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), d, tot[r][0]);
+      tot[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), d, tot[r][1]);
     }
+  }
+  const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);
+  for (int r = 0; r < R; ++r) {
+    float v[16];
+    _mm256_storeu_ps(v, _mm256_mul_ps(tot[r][0], s0));
+    _mm256_storeu_ps(v + 8, _mm256_mul_ps(tot[r][1], s1));
+    narrow(v, y + r * n, 16);
   }
 }
 #endif
@@ -1019,13 +1040,15 @@ static bool int8_avx2() {
 #endif
 }
 
-// y [M, N] = (x W^T) * scales for an int8 head, x rounded to int8 per group of 32 (AVX2).
-static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& w,
-                                   const at::Tensor& scales) {
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0), groups = k / 32;
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kChar &&
-              w.size(1) == k && k % 32 == 0 && scales.numel() == n,
-              "int8_matmul_avx2 takes x [M, K], int8 w [N, K] (K a multiple of 32), N scales");
+// y [M, N] = (x W^T) * scales from pack_int8_avx2's packing, x rounded to int8 per group
+// of 32 (AVX2).
+static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed,
+                                   const at::Tensor& scales, int64_t n) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / 32;
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.numel() == n * k &&
+              n % 16 == 0 && k % 32 == 0 && scales.numel() == n,
+              "int8_matmul_avx2 takes x [M, K] (K a multiple of 32), an int8 weight [N, K] "
+              "packed by pack_int8_avx2 (N a multiple of 16), N scales");
   TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "int8_matmul_avx2 takes bfloat16 or float32 x");
@@ -1036,23 +1059,24 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& w,
   const std::unique_ptr<float[]> dx(new float[std::max<int64_t>(1, m * groups)]),
       xs(new float[std::max<int64_t>(1, m * groups)]);
   quantize_input(x, xq.get(), dx.get(), xs.get(), m, k, 32);
+  const int32_t* xq4 = reinterpret_cast<const int32_t*>(xq.get());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = sc.data_ptr<float>();
   const auto run = [&](auto* yp) {
-    // 64 outputs at a time (36 KB of SmolLM2's head, in L2) for every row of x, so that
-    // the head is read from memory once however many rows there are
-    at::parallel_for(0, n, 256, [&](int64_t o0, int64_t o1) {
-      for (int64_t c0 = o0; c0 < o1; c0 += 64) {
-        const int64_t c1 = std::min(o1, c0 + 64);
+    // a tile (16 outputs: 9 KB of SmolLM2's head, in L1) for every row of x in turn, so
+    // that the head is read from memory once however many rows there are
+    at::parallel_for(0, n / 16, 4, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int8_t* wt = reinterpret_cast<const int8_t*>(wp + t * 16 * k);
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
-          const int8_t* xr = xq.get() + r0 * k;
+          const int32_t* xr = xq4 + r0 * (k / 4);
           const float* dr = dx.get() + r0 * groups;
-          const int8_t* wp = w.data_ptr<int8_t>();
-          const float* sp = sc.data_ptr<float>();
-          auto* yr = yp + r0 * n;
+          auto* yr = yp + r0 * n + t * 16;
           switch (std::min<int64_t>(4, m - r0)) {
-            case 1: int8_rows_avx2<1>(xr, dr, wp, sp, yr, c0, c1, n, k); break;
-            case 2: int8_rows_avx2<2>(xr, dr, wp, sp, yr, c0, c1, n, k); break;
-            case 3: int8_rows_avx2<3>(xr, dr, wp, sp, yr, c0, c1, n, k); break;
-            default: int8_rows_avx2<4>(xr, dr, wp, sp, yr, c0, c1, n, k);
+            case 1: int8_tile_avx2<1>(wt, xr, dr, sp + t * 16, yr, k, n, groups); break;
+            case 2: int8_tile_avx2<2>(wt, xr, dr, sp + t * 16, yr, k, n, groups); break;
+            case 3: int8_tile_avx2<3>(wt, xr, dr, sp + t * 16, yr, k, n, groups); break;
+            default: int8_tile_avx2<4>(wt, xr, dr, sp + t * 16, yr, k, n, groups);
           }
         }
       }

@@ -63,7 +63,7 @@ struct LeanLinear {
                                        // here, int8 by the module) and run a dense matmul
   py::object module;
   at::Tensor vnni;                     // the head's int8 weight in pack_int8_vnni's packing
-  bool rounded_int8 = false;           // the head on int8_matmul_avx2 (AVX2, no VNNI)
+  at::Tensor avx2;                     // ... in pack_int8_avx2's (AVX2, no VNNI)
   at::Tensor dense;                    // a kernel kind's weight in bfloat16, packed by
   int64_t dense_rows = 0;              // oneDNN: run above dense_rows (AMX; DENSE_ROWS)
 
@@ -75,8 +75,8 @@ struct LeanLinear {
     const bool blocks = kind == INT4 && aux.size(1) % 64 == 0;
     if (vnni.defined()) {
       y = int8_matmul_vnni(x, vnni, aux, w.size(0));
-    } else if (rounded_int8) {
-      y = int8_matmul_avx2(x, w, aux);
+    } else if (avx2.defined()) {
+      y = int8_matmul_avx2(x, avx2, aux, w.size(0));
     } else if (blocks && int4_fast(aux, group)) {
       y = int4_matmul(x, w, aux, group);
     } else if (blocks && rows > max_rows) {    // wide x, no VNNI: dequantize once, dense
@@ -249,9 +249,9 @@ struct LeanModel {
         w.size(1) % 32 == 0 && body_rounds &&
         aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
       head->vnni = pack_int8_vnni(w);
-    else if (round_input && kind == INT8 && int8_avx2() && w.size(1) % 32 == 0 &&
-             aux.dim() == 1 && !bias.has_value() && body_rounds)
-      head->rounded_int8 = true;
+    else if (round_input && kind == INT8 && int8_avx2() && w.size(0) % 16 == 0 &&
+             w.size(1) % 32 == 0 && aux.dim() == 1 && !bias.has_value() && body_rounds)
+      head->avx2 = pack_int8_avx2(w);
   }
 
   at::Tensor logits(const at::Tensor& x) {
@@ -458,6 +458,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8_vnni", &pack_int8_vnni, "an int8 weight repacked for int8_matmul_vnni");
   m.def("int8_matmul_vnni", &int8_matmul_vnni, "(x W^T) * scales, x rounded to int8 (VNNI)");
   m.attr("int8_vnni") = py::bool_(int8_vnni());
+  m.def("pack_int8_avx2", &pack_int8_avx2, "an int8 weight repacked for int8_matmul_avx2");
   m.def("int8_matmul_avx2", &int8_matmul_avx2, "(x W^T) * scales, x rounded to int8 (AVX2)");
   m.attr("int8_avx2") = py::bool_(int8_avx2());
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
