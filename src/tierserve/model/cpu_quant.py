@@ -423,6 +423,7 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
 // scales need no permuting. A group's int16 sums cannot overflow: at most 64 inputs is 8
 // steps of two products of at most 15 x 128.
 constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
+constexpr int64_t WIDE_CHUNK = 64;   // WIDE's rows a pass over the blocks
 
 // load8 (eight float32 or bfloat16 values as float32): cpu_attention.py's
 
@@ -494,15 +495,15 @@ static inline void scales8(const T* pairs, __m256* s, __m256* z) {
   *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
 }
 
-// R rows of x (1-4) against one block of 32 outputs, unpacked in registers as it is read
-// (PRE: read from unpack_block's copy). HALF 0: the block's 32 outputs; 1 and 2: only its
-// first or last 16. out: R x 32 floats. Each row's sums are its own (integer sums, then the
-// same float operations in the same order), so a row's outputs do not depend on the rows
-// computed beside it, nor on whether the block was unpacked before.
-template <int R, int HALF, bool PRE, typename T>
+// R rows of x (1-4) against one block of 32 outputs, unpacked in registers as it is read.
+// HALF 0: the block's 32 outputs; 1 and 2: only its first or last 16. out: R x 32 floats.
+// Each row's sums are its own (integer sums, then the same float operations in the same
+// order as int4_lanes_avx2's), so a row's outputs do not depend on the rows computed
+// beside it, nor on which of the two loops computed them.
+template <int R, int HALF, typename T>
 static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
                            const uint8_t* blk, const T* sz, float* out, int64_t n, int64_t k,
-                           int64_t group, const __m256* pre_sz = nullptr) {
+                           int64_t group) {
   constexpr int J0 = HALF == 2 ? 4 : 0, J1 = HALF == 1 ? 4 : 8;
   const int64_t groups = k / group;
   const __m256i ones = _mm256_set1_epi16(1), spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
@@ -510,7 +511,7 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    if (!PRE) {   // the group PF ahead (its codes, then its scales), as int4_rows_vnni
+    {   // the group PF ahead (its codes, then its scales), as int4_rows_vnni
       const int64_t ahead = g + PF;
       const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
       for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
@@ -526,11 +527,7 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
       for (int j = J0; j < J1; ++j) acc[r][j] = _mm256_setzero_si256();
     for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
       __m256i w[8];
-      if (PRE)
-        for (int j = J0; j < J1; ++j)
-          w[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(blk) + i + j);
-      else
-        unpack8(blk + i * 16, w);
+      unpack8(blk + i * 16, w);
       for (int r = 0; r < R; ++r) {
         const __m256i xv = _mm256_permutevar8x32_epi32(
             _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xq + r * k + i))),
@@ -541,12 +538,7 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
     }
     for (int v = J0 / 2; v < J1 / 2; ++v) {   // outputs 8v..8v+7: acc 2v and 2v + 1
       __m256 s, z;
-      if (PRE) {
-        s = pre_sz[(g * 4 + v) * 2];
-        z = pre_sz[(g * 4 + v) * 2 + 1];
-      } else {
-        scales8(sz + g * n * 2 + 16 * v, &s, &z);
-      }
+      scales8(sz + g * n * 2 + 16 * v, &s, &z);
       for (int r = 0; r < R; ++r) {
         const __m256i a = _mm256_madd_epi16(acc[r][2 * v], ones);
         const __m256i b = _mm256_madd_epi16(acc[r][2 * v + 1], ones);
@@ -570,9 +562,9 @@ static void rows_dispatch(int64_t m, int half, const int8_t* xq, const float* dx
                           int64_t n, int64_t k, int64_t group) {
 #define TS_ROWS(R)                                                                       \
   switch (half) {                                                                        \
-    case 0: int4_rows_avx2<R, 0, false>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
-    case 1: int4_rows_avx2<R, 1, false>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
-    default: int4_rows_avx2<R, 2, false>(xq, dx, xs, blk, bsz, out, n, k, group);        \
+    case 0: int4_rows_avx2<R, 0>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
+    case 1: int4_rows_avx2<R, 1>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
+    default: int4_rows_avx2<R, 2>(xq, dx, xs, blk, bsz, out, n, k, group);        \
   }
   switch (m) {
     case 1: TS_ROWS(1) break;
@@ -583,15 +575,77 @@ static void rows_dispatch(int64_t m, int half, const int8_t* xq, const float* dx
 #undef TS_ROWS
 }
 
-// A block's codes unpacked once (unpack8's vectors for every eight inputs: twice the
-// block's bytes), and its scales as scales8 gives them (s, z - 8 s for each group and
-// eight outputs), for the rows of a wide x to read in turn.
+// A block's scales as scales8 gives them (s, z - 8 s for each group and eight outputs),
+// for the rows of a wide x to read in turn.
 template <typename T>
-static void unpack_block(const uint8_t* blk, const T* sz, int64_t n, int64_t k, int64_t group,
-                         __m256i* w, __m256* sc) {
-  for (int64_t i = 0; i < k; i += 8) unpack8(blk + i * 16, w + i);
+static void block_scales(const T* sz, int64_t n, int64_t k, int64_t group, __m256* sc) {
   for (int64_t g = 0; g < k / group; ++g)
     for (int v = 0; v < 4; ++v) scales8(sz + g * n * 2 + 16 * v, sc + (g * 4 + v) * 2, sc + (g * 4 + v) * 2 + 1);
+}
+
+// WIDE's unpacking: a block's codes with outputs in lanes, for each eight inputs i..i+7
+// eight vectors: the four octets of outputs (0-7, 8-15, 16-23, 24-31) at inputs i..i+3,
+// then the same at i+4..i+7; each 32-bit lane is one output's four inputs, so a row of x
+// needs only its four bytes broadcast (unpack8's layout needed a cross-lane permute per
+// row and step, and one more per group to put the outputs back in order).
+static void unpack_block_lanes(const uint8_t* blk, int64_t k, __m256i* w) {
+  for (int64_t i = 0; i < k; i += 8) {
+    __m256i u[8];
+    unpack8(blk + i * 16, u);                 // u[2q], u[2q+1]: outputs 8q..8q+3, +4..+7
+    for (int q = 0; q < 4; ++q) {
+      w[i + q] = _mm256_permute2x128_si256(u[2 * q], u[2 * q + 1], 0x20);
+      w[i + 4 + q] = _mm256_permute2x128_si256(u[2 * q], u[2 * q + 1], 0x31);
+    }
+  }
+}
+
+// R rows of x against two octets of a block's outputs (Q0, Q0 + 1: the block's first or
+// last 16) from unpack_block_lanes' vectors and block_scales'. A lane's int16 sum
+// takes four products a step (at most 4 x 15 x 127), so it is widened to int32 every 32
+// inputs; a group's int32 sums and the float operations after them are int4_rows_avx2's,
+// in its order: the same bits as the packed loop at one to four rows.
+template <int R, int Q0>
+static void int4_lanes_avx2(const int8_t* xq, const float* dx, const float* xsum,
+                            const __m256i* w, float* out, int64_t k, int64_t group,
+                            const __m256* pre_sz) {
+  const int64_t groups = k / group;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 tot[R][2];
+  for (int r = 0; r < R; ++r) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_si256();
+    for (int64_t i0 = g * group; i0 < (g + 1) * group; i0 += 32) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int64_t i = i0; i < std::min(i0 + 32, (g + 1) * group); i += 8) {
+        const __m256i* wv = w + i;
+        for (int r = 0; r < R; ++r) {
+          int32_t lo, hi;
+          std::memcpy(&lo, xq + r * k + i, 4);
+          std::memcpy(&hi, xq + r * k + i + 4, 4);
+          const __m256i x0 = _mm256_set1_epi32(lo), x1 = _mm256_set1_epi32(hi);
+          for (int q = 0; q < 2; ++q) {
+            acc[r][q] = _mm256_add_epi16(acc[r][q], _mm256_maddubs_epi16(wv[Q0 + q], x0));
+            acc[r][q] = _mm256_add_epi16(acc[r][q], _mm256_maddubs_epi16(wv[4 + Q0 + q], x1));
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 2; ++q)
+          sum[r][q] = _mm256_add_epi32(sum[r][q], _mm256_madd_epi16(acc[r][q], ones));
+    }
+    for (int q = 0; q < 2; ++q) {
+      const __m256 s = pre_sz[(g * 4 + Q0 + q) * 2], z = pre_sz[(g * 4 + Q0 + q) * 2 + 1];
+      for (int r = 0; r < R; ++r)
+        tot[r][q] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g])),
+                                    _mm256_cvtepi32_ps(sum[r][q]),
+                                    _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[r * groups + g]),
+                                                    tot[r][q]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 2; ++q) _mm256_storeu_ps(out + r * 32 + 8 * (Q0 + q), tot[r][q]);
 }
 #endif
 
@@ -673,43 +727,51 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
     float out[4 * 32];
     std::vector<__m256i> w(m > PACKED_ROWS ? k : 0);
     std::vector<__m256> sc(m > PACKED_ROWS ? k / group * 8 : 0);
-    for (int64_t i = i0; i < i1;) {
-      const int64_t b = i / 2, e = std::min(i1, 2 * b + 2);
-      const int half = e - i == 2 ? 0 : (i % 2 == 0 ? 1 : 2);
-      const int64_t o0 = half == 2 ? 16 : 0, width = half == 0 ? 32 : 16;
-      const uint8_t* blk = cp + b * k * 16;
-      const T* bsz = zp + b * 32 * 2;
-      if (m <= PACKED_ROWS) {
-        rows_dispatch(m, half, xq, dx, xs, blk, bsz, out, n, k, group);
+    if (m <= PACKED_ROWS) {
+      for (int64_t i = i0; i < i1;) {
+        const int64_t b = i / 2, e = std::min(i1, 2 * b + 2);
+        const int half = e - i == 2 ? 0 : (i % 2 == 0 ? 1 : 2);
+        const int64_t o0 = half == 2 ? 16 : 0, width = half == 0 ? 32 : 16;
+        rows_dispatch(m, half, xq, dx, xs, cp + b * k * 16, zp + b * 32 * 2, out, n, k, group);
         for (int64_t r = 0; r < m; ++r)
           narrow(out + r * 32 + o0, yp + r * n + b * 32 + o0, width);
         i = e;
-        continue;
       }
-      // WIDE: more rows take the block unpacked once (and its scales), then two rows and
-      // 16 outputs at a time, their sums in registers. Four rows at a time over the packed
-      // block kept 32 vectors of sums and spilled them: 0.62-0.68x torch's int4 kernel's
-      // time at 8-256 rows, against 0.40-0.47x this way from 16 rows; at three and four
-      // rows the packed loop is the faster (the 120 layers of SmolLM2-135M in 5.6 and 8.0
-      // ms against 8.1 and 9.1; 2-core EPYC Zen 3)
-      unpack_block(blk, bsz, n, k, group, w.data(), sc.data());
-      const uint8_t* wb = reinterpret_cast<const uint8_t*>(w.data());
-      for (int64_t r0 = 0; r0 < m; r0 += 2) {
-        const int64_t rows = std::min<int64_t>(2, m - r0);
-        const int8_t* xr = xq + r0 * k;
-        const float *dr = dx + r0 * groups, *sr = xs + r0 * groups;
-        for (int h = half == 2 ? 2 : 1; h <= (half == 1 ? 1 : 2); ++h) {
-          if (rows == 2)
-            (h == 1 ? int4_rows_avx2<2, 1, true, T> : int4_rows_avx2<2, 2, true, T>)(
-                xr, dr, sr, wb, bsz, out, n, k, group, sc.data());
-          else
-            (h == 1 ? int4_rows_avx2<1, 1, true, T> : int4_rows_avx2<1, 2, true, T>)(
-                xr, dr, sr, wb, bsz, out, n, k, group, sc.data());
+      return;
+    }
+    // WIDE: more rows take the block unpacked (unpack_block_lanes, and its scales), then
+    // two rows and 16 outputs at a time, their sums in registers; rows in chunks of
+    // WIDE_CHUNK, each chunk over all the thread's blocks, so that the chunk's x stays in
+    // L2 (a block is unpacked again for each chunk: 3% of the arithmetic). Four rows at a
+    // time over the packed block kept 32 vectors of sums and spilled them; four rows a
+    // pass here, or all 512 rows of a prefill step in one chunk, were slower too
+    // (docs/benchmarks.md, fortieth session).
+    for (int64_t c0 = 0; c0 < m; c0 += WIDE_CHUNK) {
+      const int64_t c1 = std::min(m, c0 + WIDE_CHUNK);
+      for (int64_t i = i0; i < i1;) {
+        const int64_t b = i / 2, e = std::min(i1, 2 * b + 2);
+        const int half = e - i == 2 ? 0 : (i % 2 == 0 ? 1 : 2);
+        const int64_t o0 = half == 2 ? 16 : 0, width = half == 0 ? 32 : 16;
+        const uint8_t* blk = cp + b * k * 16;
+        unpack_block_lanes(blk, k, w.data());
+        block_scales(zp + b * 32 * 2, n, k, group, sc.data());
+        for (int64_t r0 = c0; r0 < c1; r0 += 2) {
+          const int64_t rows = std::min<int64_t>(2, c1 - r0);
+          const int8_t* xr = xq + r0 * k;
+          const float *dr = dx + r0 * groups, *sr = xs + r0 * groups;
+          for (int h = half == 2 ? 2 : 1; h <= (half == 1 ? 1 : 2); ++h) {
+            if (rows == 2)
+              (h == 1 ? int4_lanes_avx2<2, 0> : int4_lanes_avx2<2, 2>)(
+                  xr, dr, sr, w.data(), out, k, group, sc.data());
+            else
+              (h == 1 ? int4_lanes_avx2<1, 0> : int4_lanes_avx2<1, 2>)(
+                  xr, dr, sr, w.data(), out, k, group, sc.data());
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            narrow(out + r * 32 + o0, yp + (r0 + r) * n + b * 32 + o0, width);
         }
-        for (int64_t r = 0; r < rows; ++r)
-          narrow(out + r * 32 + o0, yp + (r0 + r) * n + b * 32 + o0, width);
+        i = e;
       }
-      i = e;
     }
   });
 }
