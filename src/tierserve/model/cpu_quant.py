@@ -1,6 +1,6 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 1,100 lines because it is one kernel family in
+dequantized to W^T for wide inputs. About 1,250 lines because it is one kernel family in
 one C++ source string, written twice (AVX-512 VNNI and AVX2: the intrinsics take many
 lines); cpu_step.py holds the forward pass.
 
@@ -23,8 +23,11 @@ kernel read SmolLM2-135M's 120 4-bit layers in 9.6 ms at one row (about 7 GB/s) 
 2-core EPYC Zen 3, two thirds of a lone decode step. `int4_rows_avx2` does what
 int4_rows_vnni does with vpmaddubsw and vpmaddwd: 3.3-3.7 ms at one row (0.35-0.40x
 torch's), 0.64x at four, 0.37-0.47x at 16-512 rows, where a block is unpacked once and
-rows go two at a time over each half (WIDE). `int8_matmul_avx2` is the 4-bit model's int8
-head with its input rounded the same way: 0.86 ms against `int8_matmul`'s 1.8 at one row.
+rows go two at a time over each half (WIDE); since the fortieth session WIDE unpacks with
+outputs in lanes (`int4_lanes_avx2`, no permute per row and step) and takes rows 64 at a
+time over the blocks: 0.77-0.84x that time at 64-512 rows. `int8_matmul_avx2` is the
+4-bit model's int8 head with its input rounded the same way, on weights repacked once
+with outputs in lanes: 0.94 ms at one row, 18 at 64 (0.82x and 0.68x the earlier loop's).
 Elsewhere (no AVX2, or another packing) the lean step keeps torch's int4 kernel for few
 rows and `dequantize_int4_t` then one dense matmul for many. `int8_matmul` widens int8 weight rows to bfloat16 (exact) and sums
 with vdpbf16ps, two weight rows per pass (one row of x: float32 multiply-adds): the 4-bit
@@ -716,8 +719,9 @@ static bool int4_fast(const at::Tensor& sz, int64_t group) {
 #if defined(TIERSERVE_INT4_AVX2)
 // int4_matmul on AVX2: threads take halves of blocks (16 outputs each) as the VNNI kernel
 // does at one to four rows (BALANCE: a block's two halves that one thread takes go to one
-// call), and go over every row of x for each (up to four at once; WIDE): a block's bytes (9-24 KB
-// in SmolLM2-135M's layers) stay in L1 for all of them.
+// call), and go over every row of x for each, up to four at a time, or from five rows
+// (WIDE) over up to WIDE_CHUNK rows at a time, so that a block's unpacked bytes (18-48 KB
+// in SmolLM2-135M's layers) stay in L1 or L2 for all of them.
 template <typename T, typename Y>
 static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
                              const uint8_t* cp, const T* zp, Y* yp, int64_t m, int64_t n,
@@ -742,10 +746,10 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
     // WIDE: more rows take the block unpacked (unpack_block_lanes, and its scales), then
     // two rows and 16 outputs at a time, their sums in registers; rows in chunks of
     // WIDE_CHUNK, each chunk over all the thread's blocks, so that the chunk's x stays in
-    // L2 (a block is unpacked again for each chunk: 3% of the arithmetic). Four rows at a
-    // time over the packed block kept 32 vectors of sums and spilled them; four rows a
-    // pass here, or all 512 rows of a prefill step in one chunk, were slower too
-    // (docs/benchmarks.md, fortieth session).
+    // L2 (a block is unpacked again for each chunk: about 3% of the chunk's instructions,
+    // by count). Four rows at a time over the packed block kept 32 vectors of sums and
+    // spilled them; four rows a pass here, or all 512 rows of a prefill step in one chunk,
+    // were slower too (docs/benchmarks.md, fortieth session).
     for (int64_t c0 = 0; c0 < m; c0 += WIDE_CHUNK) {
       const int64_t c1 = std::min(m, c0 + WIDE_CHUNK);
       for (int64_t i = i0; i < i1;) {
