@@ -58,12 +58,14 @@ def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
 
 
 @vnni
+@pytest.mark.parametrize("group", [GROUP_SIZE, 48, 64])
 @pytest.mark.parametrize("rows", [5, 15, 16, 41, 144])
-def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows):
+def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows, group):
     """The kernel takes 1-4 rows, tiles under 16 rows and larger tiles by three different
-    loops; each row's outputs are the same bits in all of them, so a request's tokens do
-    not depend on how many others share its step."""
-    layer, w = _int4_layer(192, 48 * GROUP_SIZE, seed=rows)
+    loops (AVX2: 1-4 rows, and from 5 with outputs in lanes, 64 rows a pass, its int16
+    sums widened every 32 inputs); each row's outputs are the same bits in all of them,
+    so a request's tokens do not depend on how many others share its step."""
+    layer, w = _int4_layer(192, 48 * GROUP_SIZE, seed=rows, group=group)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
     k = kernels.load()
     together = k.int4_matmul(x, layer.weight, layer.scales, layer.group_size)
@@ -174,13 +176,19 @@ def _rounded_head(kernel, x, weight, scales):
     return kernel.int8_matmul_avx2(x, kernel.pack_int8_avx2(weight), scales, weight.shape[0])
 
 
+# AVX2's packing takes any number of outputs (a last partial tile of 16 padded); VNNI's
+# takes multiples of 32, and set_head keeps other heads off it
+_HEAD_OUTPUTS = [320] if getattr(kernels.load(), "int8_vnni", False) else [320, 327]
+
+
 @int8_vnni
+@pytest.mark.parametrize("outputs", _HEAD_OUTPUTS)
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 64])
-def test_the_int8_head_on_integer_dots_is_exact_up_to_int8_inputs_and_one_rounding(rows):
+def test_the_int8_head_on_integer_dots_is_exact_up_to_int8_inputs_and_one_rounding(rows, outputs):
     """The lm_head's integer kernel rounds x to int8 per group of 32 as the 4-bit kernel
     does; its error is bounded the same way, and it reads the same layer as int8_matmul."""
     gen = torch.Generator().manual_seed(rows)
-    layer = int8_linear(torch.randn(320, 576, generator=gen), None, torch.bfloat16)
+    layer = int8_linear(torch.randn(outputs, 576, generator=gen), None, torch.bfloat16)
     w = layer.weight.double() * layer.scales.double()[:, None]                 # [N, K]
     x = torch.randn(rows, 576, generator=gen).bfloat16()
     kernel = kernels.load()

@@ -22,10 +22,11 @@ weights in blocks of 32 outputs, not 64 (`int4_pack_block` asks torch which), an
 kernel read SmolLM2-135M's 120 4-bit layers in 9.6 ms at one row (about 7 GB/s) on a
 2-core EPYC Zen 3, two thirds of a lone decode step. `int4_rows_avx2` does what
 int4_rows_vnni does with vpmaddubsw and vpmaddwd: 3.3-3.7 ms at one row (0.35-0.40x
-torch's), 0.64x at four, 0.37-0.47x at 16-512 rows, where a block is unpacked once and
-rows go two at a time over each half (WIDE); since the fortieth session WIDE unpacks with
-outputs in lanes (`int4_lanes_avx2`, no permute per row and step) and takes rows 64 at a
-time over the blocks: 0.77-0.84x that time at 64-512 rows. `int8_matmul_avx2` is the
+torch's), 0.64x at four, 0.37-0.47x at 16-512 rows, where a block was unpacked once and
+rows went two at a time over each half (WIDE); since the fortieth session WIDE unpacks
+with outputs in lanes (`int4_lanes_avx2`, no permute per row and step) and takes rows 64
+at a time over the blocks (each block unpacked once per 64 rows): 0.83-0.84x that time
+at 64 and 512 rows. `int8_matmul_avx2` is the
 4-bit model's int8 head with its input rounded the same way, on weights repacked once
 with outputs in lanes: 0.94 ms at one row, 18 at 64 (0.82x and 0.68x the earlier loop's).
 Elsewhere (no AVX2, or another packing) the lean step keeps torch's int4 kernel for few
@@ -423,8 +424,9 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
 // 0..15 in the low nibbles, 16..31 in the high ones). Eight consecutive inputs are taken
 // at once, the first four in each 32-bit lane's low 128 bits and the next four in the high
 // ones, so that after a group the two halves add up to outputs in their own order and the
-// scales need no permuting. A group's int16 sums cannot overflow: at most 64 inputs is 8
-// steps of two products of at most 15 x 128.
+// scales need no permuting (the loop for one to four rows). A group's int16 sums cannot
+// overflow: at most 64 inputs is 8 steps of two products of at most 15 x 128. From five
+// rows (WIDE) a block is unpacked again with outputs in lanes (unpack_block_lanes).
 constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
 constexpr int64_t WIDE_CHUNK = 64;   // WIDE's rows a pass over the blocks
 
@@ -514,7 +516,8 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    {   // the group PF ahead (its codes, then its scales), as int4_rows_vnni
+    // the group PF ahead (its codes, then its scales), as int4_rows_vnni
+    {
       const int64_t ahead = g + PF;
       const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
       for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
@@ -610,7 +613,7 @@ static void unpack_block_lanes(const uint8_t* blk, int64_t k, __m256i* w) {
 template <int R, int Q0>
 static void int4_lanes_avx2(const int8_t* xq, const float* dx, const float* xsum,
                             const __m256i* w, float* out, int64_t k, int64_t group,
-                            const __m256* pre_sz) {
+                            const __m256* sc) {
   const int64_t groups = k / group;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 tot[R][2];
@@ -639,7 +642,7 @@ static void int4_lanes_avx2(const int8_t* xq, const float* dx, const float* xsum
           sum[r][q] = _mm256_add_epi32(sum[r][q], _mm256_madd_epi16(acc[r][q], ones));
     }
     for (int q = 0; q < 2; ++q) {
-      const __m256 s = pre_sz[(g * 4 + Q0 + q) * 2], z = pre_sz[(g * 4 + Q0 + q) * 2 + 1];
+      const __m256 s = sc[(g * 4 + Q0 + q) * 2], z = sc[(g * 4 + Q0 + q) * 2 + 1];
       for (int r = 0; r < R; ++r)
         tot[r][q] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g])),
                                     _mm256_cvtepi32_ps(sum[r][q]),
@@ -1046,8 +1049,15 @@ static at::Tensor pack_int8_tiles(const at::Tensor& w, int64_t tile, bool flip) 
 // xsum): 2.2x the bf16 kernel above at 1 to 128 rows.
 static at::Tensor pack_int8_vnni(const at::Tensor& w) { return pack_int8_tiles(w, 32, true); }
 
-// int8_matmul_avx2's packing: tiles of 16 outputs (8 per 32-byte load), w as it is.
-static at::Tensor pack_int8_avx2(const at::Tensor& w) { return pack_int8_tiles(w, 16, false); }
+// int8_matmul_avx2's packing: tiles of 16 outputs (8 per 32-byte load), w as it is; a
+// last partial tile padded with zero rows (any N: 50257 outputs stay on this kernel). A
+// copy beside the module's own int8 weight: N x K bytes more (28 MB for SmolLM2's head).
+static at::Tensor pack_int8_avx2(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_int8_avx2 takes an int8 weight [N, K]");
+  const int64_t pad = (16 - w.size(0) % 16) % 16;
+  if (pad == 0) return pack_int8_tiles(w.contiguous(), 16, false);
+  return pack_int8_tiles(at::cat({w, at::zeros({pad, w.size(1)}, w.options())}), 16, false);
+}
 
 #if defined(TIERSERVE_INT4_AVX2)
 // The lm_head on AVX2 (no VNNI), what int8_matmul_vnni computes where VNNI is, on
@@ -1110,17 +1120,18 @@ static bool int8_avx2() {
 // of 32 (AVX2).
 static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed,
                                    const at::Tensor& scales, int64_t n) {
-  const int64_t m = x.size(0), k = x.size(1), groups = k / 32;
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte && packed.numel() == n * k &&
-              n % 16 == 0 && k % 32 == 0 && scales.numel() == n,
+  const int64_t m = x.size(0), k = x.size(1), groups = k / 32, tiles = (n + 15) / 16;
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte &&
+              packed.numel() == tiles * 16 * k && k % 32 == 0 && scales.numel() == n,
               "int8_matmul_avx2 takes x [M, K] (K a multiple of 32), an int8 weight [N, K] "
-              "packed by pack_int8_avx2 (N a multiple of 16), N scales");
+              "packed by pack_int8_avx2, N scales");
   TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "int8_matmul_avx2 takes bfloat16 or float32 x");
   at::Tensor y = at::empty({m, n}, x.options());
 #if defined(TIERSERVE_INT4_AVX2)
-  const at::Tensor sc = scales.to(at::kFloat).contiguous();
+  at::Tensor sc = at::zeros({tiles * 16}, scales.options().dtype(at::kFloat));
+  sc.narrow(0, 0, n).copy_(scales.reshape({n}));       // the padding's scales: 0
   const std::unique_ptr<int8_t[]> xq(new int8_t[std::max<int64_t>(1, m * k)]);
   const std::unique_ptr<float[]> dx(new float[std::max<int64_t>(1, m * groups)]),
       xs(new float[std::max<int64_t>(1, m * groups)]);
@@ -1131,19 +1142,27 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed
   const auto run = [&](auto* yp) {
     // a tile (16 outputs: 9 KB of SmolLM2's head, in L1) for every row of x in turn, so
     // that the head is read from memory once however many rows there are
-    at::parallel_for(0, n / 16, 4, [&](int64_t t0, int64_t t1) {
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+      using Y = std::remove_pointer_t<decltype(yp)>;
+      Y part[4 * 16];                       // a partial last tile's outputs, then copied
       for (int64_t t = t0; t < t1; ++t) {
         const int8_t* wt = reinterpret_cast<const int8_t*>(wp + t * 16 * k);
+        const int64_t width = std::min<int64_t>(16, n - t * 16);
         for (int64_t r0 = 0; r0 < m; r0 += 4) {
           const int32_t* xr = xq4 + r0 * (k / 4);
           const float* dr = dx.get() + r0 * groups;
-          auto* yr = yp + r0 * n + t * 16;
-          switch (std::min<int64_t>(4, m - r0)) {
-            case 1: int8_tile_avx2<1>(wt, xr, dr, sp + t * 16, yr, k, n, groups); break;
-            case 2: int8_tile_avx2<2>(wt, xr, dr, sp + t * 16, yr, k, n, groups); break;
-            case 3: int8_tile_avx2<3>(wt, xr, dr, sp + t * 16, yr, k, n, groups); break;
-            default: int8_tile_avx2<4>(wt, xr, dr, sp + t * 16, yr, k, n, groups);
+          const int64_t rows = std::min<int64_t>(4, m - r0);
+          Y* yr = width == 16 ? yp + r0 * n + t * 16 : part;
+          const int64_t stride = width == 16 ? n : 16;
+          switch (rows) {
+            case 1: int8_tile_avx2<1>(wt, xr, dr, sp + t * 16, yr, k, stride, groups); break;
+            case 2: int8_tile_avx2<2>(wt, xr, dr, sp + t * 16, yr, k, stride, groups); break;
+            case 3: int8_tile_avx2<3>(wt, xr, dr, sp + t * 16, yr, k, stride, groups); break;
+            default: int8_tile_avx2<4>(wt, xr, dr, sp + t * 16, yr, k, stride, groups);
           }
+          if (width < 16)
+            for (int64_t r = 0; r < rows; ++r)
+              std::copy(part + r * 16, part + r * 16 + width, yp + (r0 + r) * n + t * 16);
         }
       }
     });

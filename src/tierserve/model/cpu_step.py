@@ -249,8 +249,8 @@ struct LeanModel {
         w.size(1) % 32 == 0 && body_rounds &&
         aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
       head->vnni = pack_int8_vnni(w);
-    else if (round_input && kind == INT8 && int8_avx2() && w.size(0) % 16 == 0 &&
-             w.size(1) % 32 == 0 && aux.dim() == 1 && !bias.has_value() && body_rounds)
+    else if (round_input && kind == INT8 && int8_avx2() && w.size(1) % 32 == 0 &&
+             aux.dim() == 1 && !bias.has_value() && body_rounds)
       head->avx2 = pack_int8_avx2(w);
   }
 
