@@ -1,6 +1,6 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 1,250 lines because it is one kernel family in
+dequantized to W^T for wide inputs. About 1,300 lines because it is one kernel family in
 one C++ source string, written twice (AVX-512 VNNI and AVX2: the intrinsics take many
 lines); cpu_step.py holds the forward pass.
 
@@ -26,7 +26,9 @@ torch's), 0.64x at four, 0.37-0.47x at 16-512 rows, where a block was unpacked o
 rows went two at a time over each half (WIDE); since the fortieth session WIDE unpacks
 with outputs in lanes (`int4_lanes_avx2`, no permute per row and step) and takes rows 64
 at a time over the blocks (each block unpacked once per 64 rows): 0.83-0.84x that time
-at 64 and 512 rows. `int8_matmul_avx2` is the
+at 64 and 512 rows; since the forty-first, four rows at a time for groups of 32
+(`int4_lanes4_avx2`, each weight vector loaded once for four rows): 0.73-0.75x again at
+64 and 512 rows. `int8_matmul_avx2` is the
 4-bit model's int8 head with its input rounded the same way, on weights repacked once
 with outputs in lanes: 0.94 ms at one row, 18 at 64 (0.82x and 0.68x the earlier loop's).
 Elsewhere (no AVX2, or another packing) the lean step keeps torch's int4 kernel for few
@@ -653,6 +655,60 @@ static void int4_lanes_avx2(const int8_t* xq, const float* dx, const float* xsum
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 2; ++q) _mm256_storeu_ps(out + r * 32 + 8 * (Q0 + q), tot[r][q]);
 }
+
+// int4_lanes_avx2 for four rows and groups of 32 inputs (GGUF's 4-bit formats): a group
+// is one widening, so its int32 sums need no registers of their own, and the running
+// float sums stay in `out` (read and written once a group), which leaves the eight int16
+// sums, the step's four weight vectors and a row's two broadcasts in the 16 registers.
+// Each vector of weights then serves four rows, not two: a step (eight inputs) loads 12
+// vectors for 16 multiplies where int4_lanes_avx2<2> loads 8 (the compiler reloaded its
+// weights: 12) for 8. The same integer sums and float operations in the same order: the
+// same bits.
+template <int Q0>
+static void int4_lanes4_avx2(const int8_t* xq, const float* dx, const float* xsum,
+                             const __m256i* w, float* out, int64_t k, const __m256* sc) {
+  constexpr int R = 4;
+  const int64_t groups = k / 32;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 2; ++q) _mm256_storeu_ps(out + r * 32 + 8 * (Q0 + q), _mm256_setzero_ps());
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int64_t i = g * 32; i < g * 32 + 32; i += 8) {
+      const __m256i* wv = w + i;
+      __m256i a0 = wv[Q0], a1 = wv[Q0 + 1], b0 = wv[4 + Q0], b1 = wv[5 + Q0];
+      asm("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));   // loaded once, not at each use
+      for (int r = 0; r < R; ++r) {
+        int32_t lo, hi;
+        std::memcpy(&lo, xq + r * k + i, 4);
+        std::memcpy(&hi, xq + r * k + i + 4, 4);
+        const __m256i x0 = _mm256_set1_epi32(lo), x1 = _mm256_set1_epi32(hi);
+        // each product added where it is made: the empty asm keeps the compiler from
+        // pairing products first, which needs one register more than there are
+        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a0, x0));
+        asm("" : "+x"(acc[r][0]));
+        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(a1, x0));
+        asm("" : "+x"(acc[r][1]));
+        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(b0, x1));
+        asm("" : "+x"(acc[r][0]));
+        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b1, x1));
+        asm("" : "+x"(acc[r][1]));
+      }
+    }
+    for (int q = 0; q < 2; ++q) {
+      const __m256 s = sc[(g * 4 + Q0 + q) * 2], z = sc[(g * 4 + Q0 + q) * 2 + 1];
+      for (int r = 0; r < R; ++r) {
+        float* t = out + r * 32 + 8 * (Q0 + q);
+        const __m256i sum = _mm256_madd_epi16(acc[r][q], ones);
+        _mm256_storeu_ps(t, _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g])),
+                                            _mm256_cvtepi32_ps(sum),
+                                            _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[r * groups + g]),
+                                                            _mm256_loadu_ps(t))));
+      }
+    }
+  }
+}
 #endif
 
 #if defined(TIERSERVE_VNNI) || defined(TIERSERVE_INT4_AVX2)
@@ -747,12 +803,12 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
       return;
     }
     // WIDE: more rows take the block unpacked (unpack_block_lanes, and its scales), then
-    // two rows and 16 outputs at a time, their sums in registers; rows in chunks of
-    // WIDE_CHUNK, each chunk over all the thread's blocks, so that the chunk's x stays in
-    // L2 (a block is unpacked again for each chunk: about 3% of the chunk's instructions,
-    // by count). Four rows at a time over the packed block kept 32 vectors of sums and
-    // spilled them; four rows a pass here, or all 512 rows of a prefill step in one chunk,
-    // were slower too (docs/benchmarks.md, fortieth session).
+    // four rows (groups of 32: int4_lanes4_avx2) or two and 16 outputs at a time, their
+    // sums in registers; rows in chunks of WIDE_CHUNK, each chunk over all the thread's
+    // blocks, so that the chunk's x stays in L2 (a block is unpacked again for each chunk:
+    // about 3% of the chunk's instructions, by count). Four rows at a time over the packed
+    // block kept 32 vectors of sums and spilled them; all 512 rows of a prefill step in
+    // one chunk was slower too (docs/benchmarks.md, fortieth session).
     for (int64_t c0 = 0; c0 < m; c0 += WIDE_CHUNK) {
       const int64_t c1 = std::min(m, c0 + WIDE_CHUNK);
       for (int64_t i = i0; i < i1;) {
@@ -762,12 +818,15 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
         const uint8_t* blk = cp + b * k * 16;
         unpack_block_lanes(blk, k, w.data());
         block_scales(zp + b * 32 * 2, n, k, group, sc.data());
-        for (int64_t r0 = c0; r0 < c1; r0 += 2) {
-          const int64_t rows = std::min<int64_t>(2, c1 - r0);
+        for (int64_t r0 = c0, rows; r0 < c1; r0 += rows) {
+          rows = group == 32 && c1 - r0 >= 4 ? 4 : std::min<int64_t>(2, c1 - r0);
           const int8_t* xr = xq + r0 * k;
           const float *dr = dx + r0 * groups, *sr = xs + r0 * groups;
           for (int h = half == 2 ? 2 : 1; h <= (half == 1 ? 1 : 2); ++h) {
-            if (rows == 2)
+            if (rows == 4)
+              (h == 1 ? int4_lanes4_avx2<0> : int4_lanes4_avx2<2>)(
+                  xr, dr, sr, w.data(), out, k, sc.data());
+            else if (rows == 2)
               (h == 1 ? int4_lanes_avx2<2, 0> : int4_lanes_avx2<2, 2>)(
                   xr, dr, sr, w.data(), out, k, group, sc.data());
             else
