@@ -126,12 +126,14 @@ def test_4_bit_products_hold_for_other_group_sizes(group, rows):
 
 
 @vnni
+@pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("rows", [1, 6])
-def test_the_largest_4_bit_sums_do_not_overflow(rows):
-    """Every code 15 and every input at the group's largest magnitude, in groups of 64:
-    the integer sums are at their largest (the AVX2 kernel sums a group in int16)."""
+def test_the_largest_4_bit_sums_do_not_overflow(rows, group):
+    """Every code 15 and every input at the group's largest magnitude: the integer sums
+    are at their largest (the AVX2 kernel sums 32 inputs in int16; at 6 rows and groups
+    of 32, four of them in one pass)."""
     codes = torch.full((64, 2 * 64), 15, dtype=torch.uint8)
-    layer, w = _int4_layer(64, 2 * 64, seed=rows, group=64, codes=codes)
+    layer, w = _int4_layer(64, 2 * 64, seed=rows, group=group, codes=codes)
     x = torch.full((rows, w.shape[1]), -3.0).bfloat16()
     x[:, 64:] = 2.5
     got = kernels.load().int4_matmul(x, layer.weight, layer.scales, layer.group_size)

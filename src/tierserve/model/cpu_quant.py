@@ -678,7 +678,7 @@ static void int4_lanes4_avx2(const int8_t* xq, const float* dx, const float* xsu
     for (int64_t i = g * 32; i < g * 32 + 32; i += 8) {
       const __m256i* wv = w + i;
       __m256i a0 = wv[Q0], a1 = wv[Q0 + 1], b0 = wv[4 + Q0], b1 = wv[5 + Q0];
-      asm("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));   // loaded once, not at each use
+      asm("" : "+v"(a0), "+v"(a1), "+v"(b0), "+v"(b1));   // loaded once, not at each use
       for (int r = 0; r < R; ++r) {
         int32_t lo, hi;
         std::memcpy(&lo, xq + r * k + i, 4);
@@ -687,13 +687,13 @@ static void int4_lanes4_avx2(const int8_t* xq, const float* dx, const float* xsu
         // each product added where it is made: the empty asm keeps the compiler from
         // pairing products first, which needs one register more than there are
         acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(a0, x0));
-        asm("" : "+x"(acc[r][0]));
+        asm("" : "+v"(acc[r][0]));
         acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(a1, x0));
-        asm("" : "+x"(acc[r][1]));
+        asm("" : "+v"(acc[r][1]));
         acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(b0, x1));
-        asm("" : "+x"(acc[r][0]));
+        asm("" : "+v"(acc[r][0]));
         acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(b1, x1));
-        asm("" : "+x"(acc[r][1]));
+        asm("" : "+v"(acc[r][1]));
       }
     }
     for (int q = 0; q < 2; ++q) {
@@ -803,8 +803,8 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
       return;
     }
     // WIDE: more rows take the block unpacked (unpack_block_lanes, and its scales), then
-    // four rows (groups of 32: int4_lanes4_avx2) or two and 16 outputs at a time, their
-    // sums in registers; rows in chunks of WIDE_CHUNK, each chunk over all the thread's
+    // four rows (groups of 32: int4_lanes4_avx2, its float sums in the output tile) or
+    // two and 16 outputs at a time, their sums in registers; rows in chunks of WIDE_CHUNK, each chunk over all the thread's
     // blocks, so that the chunk's x stays in L2 (a block is unpacked again for each chunk:
     // about 3% of the chunk's instructions, by count). Four rows at a time over the packed
     // block kept 32 vectors of sums and spilled them; all 512 rows of a prefill step in
