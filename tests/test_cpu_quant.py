@@ -37,6 +37,9 @@ def _within_int8_rounding(got, x, w, group: int) -> bool:
 
 vnni = pytest.mark.skipif(not getattr(kernels.load(), "int4_kernel", False),
                           reason="the 4-bit kernel needs AVX-512 VNNI or AVX2")
+avx2_only = pytest.mark.skipif(not getattr(kernels.load(), "int4_kernel", False)
+                               or getattr(kernels.load(), "int4_vnni", True),
+                               reason="float32 and block-ordered scales: the AVX2 kernel only")
 
 
 @vnni
@@ -99,9 +102,7 @@ def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(blocks, rows)
     assert float((results[0].double() - exact).norm() / exact.norm()) < 0.01
 
 
-@pytest.mark.skipif(not getattr(kernels.load(), "int4_kernel", False)
-                    or getattr(kernels.load(), "int4_vnni", True),
-                    reason="float32 scales are taken by the AVX2 kernel only")
+@avx2_only
 @pytest.mark.parametrize("rows", [1, 6])
 def test_an_avx2_4_bit_product_in_float32_is_the_bfloat16_one_before_its_rounding(rows):
     """Where bfloat16 does not compute (AVX2), x and the scales may be float32: the same
@@ -112,6 +113,27 @@ def test_an_avx2_4_bit_product_in_float32_is_the_bfloat16_one_before_its_roundin
     half = k.int4_matmul(x, layer.weight, layer.scales, layer.group_size)
     full = k.int4_matmul(x.float(), layer.weight, layer.scales.float(), layer.group_size)
     assert full.dtype == torch.float32 and torch.equal(full.bfloat16(), half)
+
+
+@avx2_only
+@pytest.mark.parametrize("group", [GROUP_SIZE, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 70])
+def test_an_avx2_4_bit_product_is_the_same_bits_with_its_scales_in_block_order(rows, group):
+    """The lean step hands the AVX2 kernel each layer's (s, z) pairs in block order (one
+    stream a block); the products are those of torch's order, bfloat16 and float32 pairs,
+    in the one-to-four-row loop and the wide one (a row count that is neither a multiple of
+    two nor of four), with a block split between the two threads (five blocks)."""
+    layer, _ = _int4_layer(160, 6 * group, seed=rows, group=group)
+    x = torch.randn(rows, 6 * group, generator=torch.Generator().manual_seed(3)).bfloat16()
+    k = kernels.load()
+    for scales in (layer.scales, layer.scales.float()):
+        ordered = k.int4_blocked_scales(scales)
+        assert ordered.shape == (160 // 32, 6, 32, 2)
+        with torch_threads(2):
+            assert torch.equal(k.int4_matmul(x, layer.weight, ordered, group),
+                               k.int4_matmul(x, layer.weight, scales, group))
+    with pytest.raises(RuntimeError, match="not torch's CPU int4 packing"):
+        k.int4_matmul(x, layer.weight, k.int4_blocked_scales(layer.scales)[:4], group)
 
 
 @vnni

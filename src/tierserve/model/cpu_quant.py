@@ -469,6 +469,19 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
   });
 }
 
+// unpack8's last round: bytes paired by input (a0, a1: two inputs' bytes interleaved, for
+// outputs 0-7 and 8-15 of each nibble; b0, b1: two more) to four inputs a 32-bit lane, then
+// the low nibbles (outputs 0-15) and the high (16-31) as bytes.
+static inline void nibbles8(__m256i a0, __m256i a1, __m256i b0, __m256i b1, __m256i* w) {
+  const __m256i v[4] = {_mm256_unpacklo_epi16(a0, b0), _mm256_unpackhi_epi16(a0, b0),
+                        _mm256_unpacklo_epi16(a1, b1), _mm256_unpackhi_epi16(a1, b1)};
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int j = 0; j < 4; ++j) {
+    w[j] = _mm256_and_si256(v[j], low);
+    w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low);
+  }
+}
+
 // Eight consecutive inputs' weights of one block (8 x 16 bytes) as eight vectors of u8,
 // each 32-bit lane one output's four inputs (0-3 in the low 128 bits, 4-7 in the high):
 // w[j] holds outputs 4j..4j+3 (j < 4, low nibbles) or 16 + 4(j - 4).. (high nibbles).
@@ -481,13 +494,31 @@ static inline void unpack8(const uint8_t* src, __m256i* w) {
   const __m256i p = pair(0, 4), q = pair(1, 5), r = pair(2, 6), t = pair(3, 7);
   const __m256i a0 = _mm256_unpacklo_epi8(p, q), a1 = _mm256_unpackhi_epi8(p, q);
   const __m256i b0 = _mm256_unpacklo_epi8(r, t), b1 = _mm256_unpackhi_epi8(r, t);
-  const __m256i v[4] = {_mm256_unpacklo_epi16(a0, b0), _mm256_unpackhi_epi16(a0, b0),
-                        _mm256_unpacklo_epi16(a1, b1), _mm256_unpackhi_epi16(a1, b1)};
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int j = 0; j < 4; ++j) {
-    w[j] = _mm256_and_si256(v[j], low);
-    w[4 + j] = _mm256_and_si256(_mm256_srli_epi16(v[j], 4), low);
-  }
+  nibbles8(a0, a1, b0, b1, w);
+}
+
+// unpack8 with the inputs in another order: each 32-bit lane one output's four inputs, the
+// even ones (0, 2, 4, 6) in the low 128 bits and the odd ones in the high, as
+// int4_rows_avx2 reads them: w[j] holds outputs 4j..4j+3 (j < 4, low nibbles) or
+// 16 + 4(j - 4).. (high nibbles). Two inputs a 32-byte load, so that the bytes need two
+// rounds of unpacking and no inserts (x_pattern puts x's bytes in the same order).
+static inline void unpack8_odd_even(const uint8_t* src, __m256i* w) {
+  const __m256i* c = reinterpret_cast<const __m256i*>(src);
+  const __m256i p = _mm256_loadu_si256(c), q = _mm256_loadu_si256(c + 1);
+  const __m256i r = _mm256_loadu_si256(c + 2), t = _mm256_loadu_si256(c + 3);
+  const __m256i a0 = _mm256_unpacklo_epi8(p, q), a1 = _mm256_unpackhi_epi8(p, q);
+  const __m256i b0 = _mm256_unpacklo_epi8(r, t), b1 = _mm256_unpackhi_epi8(r, t);
+  nibbles8(a0, a1, b0, b1, w);
+}
+
+// Eight inputs of x in unpack8_odd_even's order: every 32-bit lane of the low 128 bits holds
+// x0 x2 x4 x6, of the high x1 x3 x5 x7 (one broadcast load and one shuffle in a lane).
+static inline __m256i x_pattern(const int8_t* x) {
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                         1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
+  int64_t eight;
+  std::memcpy(&eight, x, 8);
+  return _mm256_shuffle_epi8(_mm256_set1_epi64x(eight), order);
 }
 
 // s and (z - 8 s) of eight consecutive outputs, from their (s, z) pairs.
@@ -502,6 +533,25 @@ static inline void scales8(const T* pairs, __m256* s, __m256* z) {
   *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
 }
 
+// The same from bfloat16 pairs without a shuffle: a pair is one 32-bit lane, s in its low
+// half and z in its high, and a bfloat16 is the high half of its float32 (exact).
+static inline void scales8(const at::BFloat16* pairs, __m256* s, __m256* z) {
+  const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs));
+  const __m256 sv = _mm256_castsi256_ps(_mm256_slli_epi32(p, 16));
+  const __m256 zv = _mm256_castsi256_ps(_mm256_and_si256(p, _mm256_set1_epi32(-65536)));
+  *s = sv;
+  *z = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), sv, zv);
+}
+
+// Where a block's (s, z) pairs lie, in elements: `group` apart from one group of inputs to
+// the next, `block` from one block of 32 outputs to the next. torch's order ([K/group, N, 2])
+// puts a group's pairs N outputs apart (group 2N, block 64), so that one block's 18-48 groups
+// are as many lines on as many pages; block order ([N/32, K/group, 32, 2], BLOCKED_SCALES)
+// puts them one after the other (group 64, block 64 K/group), one stream as the codes are.
+struct ScaleOrder {
+  int64_t group, block;
+};
+
 // R rows of x (1-4) against one block of 32 outputs, unpacked in registers as it is read.
 // HALF 0: the block's 32 outputs; 1 and 2: only its first or last 16. out: R x 32 floats.
 // Each row's sums are its own (integer sums, then the same float operations in the same
@@ -509,11 +559,11 @@ static inline void scales8(const T* pairs, __m256* s, __m256* z) {
 // beside it, nor on which of the two loops computed them.
 template <int R, int HALF, typename T>
 static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
-                           const uint8_t* blk, const T* sz, float* out, int64_t n, int64_t k,
-                           int64_t group) {
+                           const uint8_t* blk, const T* sz, float* out, int64_t k,
+                           int64_t group, const ScaleOrder& order) {
   constexpr int J0 = HALF == 2 ? 4 : 0, J1 = HALF == 1 ? 4 : 8;
   const int64_t groups = k / group;
-  const __m256i ones = _mm256_set1_epi16(1), spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 tot[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
@@ -525,7 +575,8 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
       for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
       if (ahead < 2 * groups) {
         const char* z = reinterpret_cast<const char*>(
-            ahead < groups ? sz + ahead * n * 2 : sz + ((ahead - groups) * n + 32) * 2);
+            ahead < groups ? sz + ahead * order.group
+                           : sz + (ahead - groups) * order.group + order.block);
         for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
           _mm_prefetch(z + l, _MM_HINT_T1);
       }
@@ -535,18 +586,16 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
       for (int j = J0; j < J1; ++j) acc[r][j] = _mm256_setzero_si256();
     for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
       __m256i w[8];
-      unpack8(blk + i * 16, w);
+      unpack8_odd_even(blk + i * 16, w);
       for (int r = 0; r < R; ++r) {
-        const __m256i xv = _mm256_permutevar8x32_epi32(
-            _mm256_castsi128_si256(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xq + r * k + i))),
-            spread);
+        const __m256i xv = x_pattern(xq + r * k + i);
         for (int j = J0; j < J1; ++j)
           acc[r][j] = _mm256_add_epi16(acc[r][j], _mm256_maddubs_epi16(w[j], xv));
       }
     }
     for (int v = J0 / 2; v < J1 / 2; ++v) {   // outputs 8v..8v+7: acc 2v and 2v + 1
       __m256 s, z;
-      scales8(sz + g * n * 2 + 16 * v, &s, &z);
+      scales8(sz + g * order.group + 16 * v, &s, &z);
       for (int r = 0; r < R; ++r) {
         const __m256i a = _mm256_madd_epi16(acc[r][2 * v], ones);
         const __m256i b = _mm256_madd_epi16(acc[r][2 * v + 1], ones);
@@ -567,12 +616,12 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
 template <typename T>
 static void rows_dispatch(int64_t m, int half, const int8_t* xq, const float* dx,
                           const float* xs, const uint8_t* blk, const T* bsz, float* out,
-                          int64_t n, int64_t k, int64_t group) {
+                          int64_t k, int64_t group, const ScaleOrder& order) {
 #define TS_ROWS(R)                                                                       \
   switch (half) {                                                                        \
-    case 0: int4_rows_avx2<R, 0>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
-    case 1: int4_rows_avx2<R, 1>(xq, dx, xs, blk, bsz, out, n, k, group); break;  \
-    default: int4_rows_avx2<R, 2>(xq, dx, xs, blk, bsz, out, n, k, group);        \
+    case 0: int4_rows_avx2<R, 0>(xq, dx, xs, blk, bsz, out, k, group, order); break;     \
+    case 1: int4_rows_avx2<R, 1>(xq, dx, xs, blk, bsz, out, k, group, order); break;     \
+    default: int4_rows_avx2<R, 2>(xq, dx, xs, blk, bsz, out, k, group, order);           \
   }
   switch (m) {
     case 1: TS_ROWS(1) break;
@@ -586,9 +635,11 @@ static void rows_dispatch(int64_t m, int half, const int8_t* xq, const float* dx
 // A block's scales as scales8 gives them (s, z - 8 s for each group and eight outputs),
 // for the rows of a wide x to read in turn.
 template <typename T>
-static void block_scales(const T* sz, int64_t n, int64_t k, int64_t group, __m256* sc) {
+static void block_scales(const T* sz, int64_t k, int64_t group, const ScaleOrder& order,
+                         __m256* sc) {
   for (int64_t g = 0; g < k / group; ++g)
-    for (int v = 0; v < 4; ++v) scales8(sz + g * n * 2 + 16 * v, sc + (g * 4 + v) * 2, sc + (g * 4 + v) * 2 + 1);
+    for (int v = 0; v < 4; ++v)
+      scales8(sz + g * order.group + 16 * v, sc + (g * 4 + v) * 2, sc + (g * 4 + v) * 2 + 1);
 }
 
 // WIDE's unpacking: a block's codes with outputs in lanes, for each eight inputs i..i+7
@@ -784,8 +835,9 @@ static bool int4_fast(const at::Tensor& sz, int64_t group) {
 template <typename T, typename Y>
 static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
                              const uint8_t* cp, const T* zp, Y* yp, int64_t m, int64_t n,
-                             int64_t k, int64_t group) {
+                             int64_t k, int64_t group, bool blocked) {
   const int64_t nb = n / 32, groups = k / group;
+  const ScaleOrder order = blocked ? ScaleOrder{64, 64 * groups} : ScaleOrder{2 * n, 64};
   at::parallel_for(0, 2 * nb, 1, [&](int64_t i0, int64_t i1) {
     float out[4 * 32];
     std::vector<__m256i> w(m > PACKED_ROWS ? k : 0);
@@ -795,7 +847,8 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
         const int64_t b = i / 2, e = std::min(i1, 2 * b + 2);
         const int half = e - i == 2 ? 0 : (i % 2 == 0 ? 1 : 2);
         const int64_t o0 = half == 2 ? 16 : 0, width = half == 0 ? 32 : 16;
-        rows_dispatch(m, half, xq, dx, xs, cp + b * k * 16, zp + b * 32 * 2, out, n, k, group);
+        rows_dispatch(m, half, xq, dx, xs, cp + b * k * 16, zp + b * order.block, out, k, group,
+                      order);
         for (int64_t r = 0; r < m; ++r)
           narrow(out + r * 32 + o0, yp + r * n + b * 32 + o0, width);
         i = e;
@@ -817,7 +870,7 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
         const int64_t o0 = half == 2 ? 16 : 0, width = half == 0 ? 32 : 16;
         const uint8_t* blk = cp + b * k * 16;
         unpack_block_lanes(blk, k, w.data());
-        block_scales(zp + b * 32 * 2, n, k, group, sc.data());
+        block_scales(zp + b * order.block, k, group, order, sc.data());
         for (int64_t r0 = c0, rows; r0 < c1; r0 += rows) {
           rows = group == 32 && c1 - r0 >= 4 ? 4 : std::min<int64_t>(2, c1 - r0);
           const int8_t* xr = xq + r0 * k;
@@ -864,15 +917,33 @@ static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* 
 }
 #endif
 
-// y [M, N] = x W^T for an int4 layer in torch's CPU packing, without dequantizing it.
+// BLOCKED_SCALES: an int4 layer's (s, z) pairs [K/group, N, 2] in block order for
+// int4_matmul on AVX2, [N/32, K/group, 32, 2] (ScaleOrder): a lone 4-bit decode step reads
+// them as one stream with the codes instead of 18-48 lines a block on as many pages. The
+// lean step keeps this copy beside the layer's own (torch's order, which torch's kernels
+// and dequantizing read): 4 bytes per 32 weights, 13 MB for SmolLM2-135M.
+static at::Tensor int4_blocked_scales(const at::Tensor& sz) {
+  TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.size(1) % 32 == 0,
+              "int4_blocked_scales takes (s, z) pairs [K/group, N, 2] with 32 | N");
+  return sz.view({sz.size(0), sz.size(1) / 32, 32, 2}).permute({1, 0, 2, 3}).contiguous();
+}
+
+// y [M, N] = x W^T for an int4 layer in torch's CPU packing, without dequantizing it; its
+// (s, z) pairs in torch's order [K/group, N, 2] or (AVX2) int4_blocked_scales' [N/32,
+// K/group, 32, 2].
 static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz,
                               int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && sz.dim() == 3 && sz.size(2) == 2 && group > 0,
-              "int4_matmul takes x [M, K], (s, z) pairs [K/group, N, 2] and a group > 0");
-  const int64_t m = x.size(0), k = x.size(1), n = sz.size(1), groups = k / group;
+  const bool blocked = sz.dim() == 4;
+  TORCH_CHECK(x.dim() == 2 && (sz.dim() == 3 || (blocked && sz.size(2) == 32)) &&
+              sz.size(-1) == 2 && group > 0,
+              "int4_matmul takes x [M, K], (s, z) pairs [K/group, N, 2] or [N/32, K/group, "
+              "32, 2] and a group > 0");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  const int64_t n = blocked ? sz.size(0) * 32 : sz.size(1);
   const int64_t block = int4_pack_block();
   TORCH_CHECK(block > 0 && n % block == 0 && codes.numel() == n * k / 2 && k % group == 0 &&
-              sz.size(0) == groups && codes.is_contiguous(), "not torch's CPU int4 packing");
+              sz.size(blocked ? 1 : 0) == groups && codes.is_contiguous(),
+              "not torch's CPU int4 packing");
   TORCH_CHECK(int4_fast(sz, group), "int4_matmul needs AVX-512 VNNI and bfloat16 scales, "
               "or AVX2 and bfloat16 or float32 scales");
   at::Tensor y = at::empty({m, n}, x.options());
@@ -887,10 +958,10 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
   const auto run = [&](auto* zp) {
     if (y.scalar_type() == at::kBFloat16)
       int4_matmul_avx2(xq.get(), dx.get(), xs.get(), codes.data_ptr<uint8_t>(), zp,
-                       y.data_ptr<at::BFloat16>(), m, n, k, group);
+                       y.data_ptr<at::BFloat16>(), m, n, k, group, blocked);
     else
       int4_matmul_avx2(xq.get(), dx.get(), xs.get(), codes.data_ptr<uint8_t>(), zp,
-                       y.data_ptr<float>(), m, n, k, group);
+                       y.data_ptr<float>(), m, n, k, group, blocked);
   };
   if (szc.scalar_type() == at::kBFloat16)
     run(szc.data_ptr<at::BFloat16>());
@@ -898,6 +969,7 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
     run(szc.data_ptr<float>());
 #endif
 #ifdef TIERSERVE_VNNI
+  TORCH_CHECK(!blocked, "int4_matmul with AVX-512 VNNI takes (s, z) pairs in torch's order");
   const at::Tensor szc = sz.contiguous();
   // not std::vectors, which zeroed them first (memset was 1-2.5% of a 64-stream step)
   const std::unique_ptr<int8_t[]> xq(new int8_t[m * k]);

@@ -64,6 +64,8 @@ struct LeanLinear {
   py::object module;
   at::Tensor vnni;                     // the head's int8 weight in pack_int8_vnni's packing
   at::Tensor avx2;                     // ... in pack_int8_avx2's (AVX2, no VNNI)
+  at::Tensor blocked;                  // an int4 layer's pairs in block order (AVX2;
+                                       // int4_blocked_scales)
   at::Tensor dense;                    // a kernel kind's weight in bfloat16, packed by
   int64_t dense_rows = 0;              // oneDNN: run above dense_rows (AMX; DENSE_ROWS)
 
@@ -78,7 +80,7 @@ struct LeanLinear {
     } else if (avx2.defined()) {
       y = int8_matmul_avx2(x, avx2, aux, w.size(0));
     } else if (blocks && int4_fast(aux, group)) {
-      y = int4_matmul(x, w, aux, group);
+      y = int4_matmul(x, w, blocked.defined() ? blocked : aux, group);
     } else if (blocks && rows > max_rows) {    // wide x, no VNNI: dequantize once, dense
       y = at::mm(x, dequantize_int4_t_dense(w, aux, group));
     } else if (kind == INT4 && rows <= max_rows) {
@@ -223,6 +225,10 @@ struct LeanModel {
   void add_linear(int64_t kind, at::Tensor w, at::Tensor aux, std::optional<at::Tensor> bias,
                   int64_t group, int64_t max_rows, py::object module) {
     linears.push_back({kind, w, aux, bias, group, max_rows, module, at::Tensor()});
+#if defined(TIERSERVE_INT4_AVX2)
+    if (kind == INT4 && aux.size(1) % 64 == 0 && int4_fast(aux, group))
+      linears.back().blocked = int4_blocked_scales(aux);
+#endif
   }
 
   // Layer `index` (add_linear's order; -1: the head) also runs `packed`, its weight in
@@ -448,6 +454,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_int4_t", &dequantize_int4_t_dense, "torch's CPU int4 packing as W^T");
   m.def("int4_matmul", &int4_matmul, "x W^T from torch's CPU int4 packing (AVX-512 VNNI "
         "or AVX2)");
+  m.def("int4_blocked_scales", &int4_blocked_scales, "an int4 layer's (s, z) pairs in "
+        "block order, for int4_matmul on AVX2");
   m.attr("int4_kernel") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
 #ifdef TIERSERVE_VNNI
   m.attr("int4_vnni") = py::bool_(int4_fast(at::empty({0}, at::kBFloat16), 32));
