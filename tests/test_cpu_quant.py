@@ -122,13 +122,14 @@ def test_an_avx2_4_bit_product_is_the_same_bits_with_its_scales_in_block_order(r
     """The lean step hands the AVX2 kernel each layer's (s, z) pairs in block order (one
     stream a block); the products are those of torch's order, bfloat16 and float32 pairs,
     in the one-to-four-row loop and the wide one (a row count that is neither a multiple of
-    two nor of four), with a block split between the two threads (five blocks)."""
-    layer, _ = _int4_layer(160, 6 * group, seed=rows, group=group)
-    x = torch.randn(rows, 6 * group, generator=torch.Generator().manual_seed(3)).bfloat16()
+    two nor of four), with a block split between the two threads (five blocks), float32
+    outputs (no rounding to hide a difference) and more groups than are read ahead."""
+    layer, _ = _int4_layer(160, 10 * group, seed=rows, group=group)
+    x = torch.randn(rows, 10 * group, generator=torch.Generator().manual_seed(3))
     k = kernels.load()
     for scales in (layer.scales, layer.scales.float()):
         ordered = k.int4_blocked_scales(scales)
-        assert ordered.shape == (160 // 32, 6, 32, 2)
+        assert ordered.shape == (160 // 32, 10, 32, 2)
         with torch_threads(2):
             assert torch.equal(k.int4_matmul(x, layer.weight, ordered, group),
                                k.int4_matmul(x, layer.weight, scales, group))

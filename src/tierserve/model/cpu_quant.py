@@ -29,8 +29,8 @@ at a time over the blocks (each block unpacked once per 64 rows): 0.83-0.84x tha
 at 64 and 512 rows; since the forty-first, four rows at a time for groups of 32
 (`int4_lanes4_avx2`, each weight vector loaded once for four rows): 0.73-0.75x again at
 64 and 512 rows. Since the forty-second, the lean step holds each layer's (s, z) pairs
-also in block order (`int4_blocked_scales`: a block's pairs one after the other, not 18-48
-lines on as many pages; 13 MB for SmolLM2-135M) and the one-to-four-row loop loads two
+also in block order (`int4_blocked_scales`: a block's pairs one after the other, not two
+lines for each of its 18-48 groups, N outputs apart; 13 MB for SmolLM2-135M) and the one-to-four-row loop loads two
 inputs' codes a 32-byte load (`unpack8_odd_even`, no inserts) and bfloat16 pairs without
 a shuffle: a lone decode step in 0.92-0.94x the time. `int8_matmul_avx2` is the
 4-bit model's int8 head with its input rounded the same way, on weights repacked once
@@ -428,9 +428,10 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
 // with vpmaddubsw (pairs of u4 x s8 products, summed to int16) and vpmaddwd, on torch's
 // AVX2 packing, whose blocks hold 32 outputs (16 bytes per block and input: outputs
 // 0..15 in the low nibbles, 16..31 in the high ones). Eight consecutive inputs are taken
-// at once, the first four in each 32-bit lane's low 128 bits and the next four in the high
-// ones, so that after a group the two halves add up to outputs in their own order and the
-// scales need no permuting (the loop for one to four rows). A group's int16 sums cannot
+// at once, four in each 32-bit lane's low 128 bits and four in the high ones (the even and
+// the odd inputs: unpack8_odd_even), so that after a group the two halves add up to
+// outputs in their own order and the scales need no permuting (the loop for one to four
+// rows). A group's int16 sums cannot
 // overflow: at most 64 inputs is 8 steps of two products of at most 15 x 128. From five
 // rows (WIDE) a block is unpacked again with outputs in lanes (unpack_block_lanes).
 constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
@@ -549,8 +550,8 @@ static inline void scales8(const at::BFloat16* pairs, __m256* s, __m256* z) {
 
 // Where a block's (s, z) pairs lie, in elements: `group` apart from one group of inputs to
 // the next, `block` from one block of 32 outputs to the next. torch's order ([K/group, N, 2])
-// puts a group's pairs N outputs apart (group 2N, block 64), so that one block's 18-48 groups
-// are as many lines on as many pages; block order ([N/32, K/group, 32, 2], BLOCKED_SCALES)
+// puts a group's pairs N outputs apart (group 2N, block 64), so that one block reads two
+// lines for each of its 18-48 groups, 2.3-12 KB apart; block order ([N/32, K/group, 32, 2], BLOCKED_SCALES)
 // puts them one after the other (group 64, block 64 K/group), one stream as the codes are.
 struct ScaleOrder {
   int64_t group, block;
@@ -923,13 +924,13 @@ static void rows_dispatch(int64_t m, int half, const int32_t* xq4, const float* 
 
 // BLOCKED_SCALES: an int4 layer's (s, z) pairs [K/group, N, 2] in block order for
 // int4_matmul on AVX2, [N/32, K/group, 32, 2] (ScaleOrder): a lone 4-bit decode step reads
-// them as one stream with the codes instead of 18-48 lines a block on as many pages. The
+// them as one stream with the codes instead of two lines a group, N outputs apart. The
 // lean step keeps this copy beside the layer's own (torch's order, which torch's kernels
 // and dequantizing read): 4 bytes per 32 weights, 13 MB for SmolLM2-135M.
 static at::Tensor int4_blocked_scales(const at::Tensor& sz) {
   TORCH_CHECK(sz.dim() == 3 && sz.size(2) == 2 && sz.size(1) % 32 == 0,
               "int4_blocked_scales takes (s, z) pairs [K/group, N, 2] with 32 | N");
-  return sz.view({sz.size(0), sz.size(1) / 32, 32, 2}).permute({1, 0, 2, 3}).contiguous();
+  return sz.reshape({sz.size(0), sz.size(1) / 32, 32, 2}).permute({1, 0, 2, 3}).contiguous();
 }
 
 // y [M, N] = x W^T for an int4 layer in torch's CPU packing, without dequantizing it; its
@@ -942,6 +943,9 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
               sz.size(-1) == 2 && group > 0,
               "int4_matmul takes x [M, K], (s, z) pairs [K/group, N, 2] or [N/32, K/group, "
               "32, 2] and a group > 0");
+#ifdef TIERSERVE_VNNI
+  TORCH_CHECK(!blocked, "int4_matmul with AVX-512 VNNI takes (s, z) pairs in torch's order");
+#endif
   const int64_t m = x.size(0), k = x.size(1), groups = k / group;
   const int64_t n = blocked ? sz.size(0) * 32 : sz.size(1);
   const int64_t block = int4_pack_block();
@@ -973,7 +977,6 @@ static at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& codes, cons
     run(szc.data_ptr<float>());
 #endif
 #ifdef TIERSERVE_VNNI
-  TORCH_CHECK(!blocked, "int4_matmul with AVX-512 VNNI takes (s, z) pairs in torch's order");
   const at::Tensor szc = sz.contiguous();
   // not std::vectors, which zeroed them first (memset was 1-2.5% of a 64-stream step)
   const std::unique_ptr<int8_t[]> xq(new int8_t[m * k]);
