@@ -30,9 +30,10 @@ at 64 and 512 rows; since the forty-first, four rows at a time for groups of 32
 (`int4_lanes4_avx2`, each weight vector loaded once for four rows): 0.73-0.75x again at
 64 and 512 rows. Since the forty-second, the lean step holds each layer's (s, z) pairs
 also in block order (`int4_blocked_scales`: a block's pairs one after the other, not two
-lines for each of its 18-48 groups, N outputs apart; 13 MB for SmolLM2-135M) and the one-to-four-row loop loads two
-inputs' codes a 32-byte load (`unpack8_odd_even`, no inserts) and bfloat16 pairs without
-a shuffle: a lone decode step in 0.92-0.94x the time. `int8_matmul_avx2` is the
+lines for each of its 18-48 groups, N outputs apart; 13 MB for SmolLM2-135M) and the
+one-to-four-row loop loads two inputs' codes a 32-byte load (`unpack8_odd_even`, no
+inserts) and bfloat16 pairs without a shuffle: a lone decode step in 0.92-0.94x the time.
+`int8_matmul_avx2` is the
 4-bit model's int8 head with its input rounded the same way, on weights repacked once
 with outputs in lanes: 0.94 ms at one row, 18 at 64 (0.82x and 0.68x the earlier loop's).
 Elsewhere (no AVX2, or another packing) the lean step keeps torch's int4 kernel for few
@@ -549,10 +550,11 @@ static inline void scales8(const at::BFloat16* pairs, __m256* s, __m256* z) {
 }
 
 // Where a block's (s, z) pairs lie, in elements: `group` apart from one group of inputs to
-// the next, `block` from one block of 32 outputs to the next. torch's order ([K/group, N, 2])
-// puts a group's pairs N outputs apart (group 2N, block 64), so that one block reads two
-// lines for each of its 18-48 groups, 2.3-12 KB apart; block order ([N/32, K/group, 32, 2], BLOCKED_SCALES)
-// puts them one after the other (group 64, block 64 K/group), one stream as the codes are.
+// the next, `block` from one block of 32 outputs to the next. torch's order ([K/group, N,
+// 2]) puts a group's pairs N outputs apart (group 2N, block 64), so that one block reads
+// two lines for each of its 18-48 groups, 2.3-12 KB apart; block order ([N/32, K/group, 32,
+// 2], BLOCKED_SCALES) puts them one after the other (group 64, block 64 K/group), one
+// stream as the codes are.
 struct ScaleOrder {
   int64_t group, block;
 };
