@@ -13,9 +13,10 @@ hits both alike: on the shared 2-vCPU machines the same step moves 20% from one 
 the next, more than most kernel changes. Prints whether the outputs are equal and one line
 with the medians and B/A. `--part int4` times only the model's 4-bit layers (int4_matmul
 over its 120 weights; torch's int4 kernel for a version with none for this CPU) at
-`--streams` rows of random input, A and B alike: two builds of the same source here
-differed by up to 10% on the whole step (code placement), so a change to one kernel is
-best judged on that kernel too. `--part attention` times only the paged
+`--streams` rows of random input, A and B alike, each with the (s, z) pairs in the order
+its lean step keeps them (block order on AVX2 since the forty-second session): two builds
+of the same source here differed by up to 10% on the whole step (code placement), so a
+change to one kernel is best judged on that kernel too. `--part attention` times only the paged
 decode attention of every layer at `--streams` sequences of `--context` tokens, the blocks
 of each sequence scattered over the cache as after hours of traffic, and between layers a
 read of as many other bytes as a layer's weights, a different slice for each layer (what
@@ -117,8 +118,16 @@ def int4_layers(versions: dict, engine, args, cpu: str) -> int:
             return [torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.weight, lin.group_size,
                                                                lin.scales)
                     for x, lin in zip(xs, layers)]
-        return [m.int4_matmul(x, lin.weight, lin.scales, lin.group_size)
-                for x, lin in zip(xs, layers)]
+        return [m.int4_matmul(x, lin.weight, scales[m][i], lin.group_size)
+                for i, (x, lin) in enumerate(zip(xs, layers))]
+
+    def own_scales(m) -> list:   # each version's scales as its lean step hands them over
+        blocked = (getattr(m, "int4_blocked_scales", None)
+                   if not getattr(m, "int4_vnni", False) else None)
+        return [blocked(lin.scales) if blocked and lin.scales.size(1) % 64 == 0
+                else lin.scales for lin in layers]
+
+    scales = {m: own_scales(m) for m in versions.values() if has_kernel(m)}
 
     same = all(a.equal(b) for a, b in zip(run(versions["A"]), run(versions["B"])))
     times = {"A": [], "B": []}

@@ -864,11 +864,12 @@ static void int4_matmul_avx2(const int8_t* xq, const float* dx, const float* xs,
     }
     // WIDE: more rows take the block unpacked (unpack_block_lanes, and its scales), then
     // four rows (groups of 32: int4_lanes4_avx2, its float sums in the output tile) or
-    // two and 16 outputs at a time, their sums in registers; rows in chunks of WIDE_CHUNK, each chunk over all the thread's
-    // blocks, so that the chunk's x stays in L2 (a block is unpacked again for each chunk:
-    // about 3% of the chunk's instructions, by count). Four rows at a time over the packed
-    // block kept 32 vectors of sums and spilled them; all 512 rows of a prefill step in
-    // one chunk was slower too (docs/benchmarks.md, fortieth session).
+    // two and 16 outputs at a time, their sums in registers; rows in chunks of WIDE_CHUNK,
+    // each chunk over all the thread's blocks, so that the chunk's x stays in L2 (a block
+    // is unpacked again for each chunk: about 3% of the chunk's instructions, by count).
+    // Four rows at a time over the packed block kept 32 vectors of sums and spilled them;
+    // all 512 rows of a prefill step in one chunk was slower too (docs/benchmarks.md,
+    // fortieth session).
     for (int64_t c0 = 0; c0 < m; c0 += WIDE_CHUNK) {
       const int64_t c1 = std::min(m, c0 + WIDE_CHUNK);
       for (int64_t i = i0; i < i1;) {
