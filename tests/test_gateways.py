@@ -165,23 +165,68 @@ def test_a_killed_gateway_s_holds_stop_counting_within_their_lease(
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_a_load_counted_before_a_grant_never_lowers_the_granted_row(pg_database):  # noqa: F811
+    """A gateway counts 3 lower-tier requests on a replica for its next exchange, and a
+    release takes a 4th slot before the exchange writes: the row stays 4, so another
+    gateway finds the limit of 4 full. The next exchange, counted after the grant,
+    publishes the drop to 3, and the other gateway gets its slot."""
+    from tierserve.metering.ledger import connect
+    connect(pg_database).close()  # the tables
+    a, b = shared.SharedState(pg_database), shared.SharedState(pg_database)
+    url = "http://127.0.0.1:1"
+    try:
+        granted = dict(a.granted)  # counted: 3 in flight
+        assert a.acquire_lower(url, 3, 4)  # a release on A's loop meanwhile
+        a.exchange_loads({url: 3}, granted)  # the stale count: not written
+        assert b.exchange_loads({url: 0}) == {url: 4}
+        assert not b.acquire_lower(url, 0, 4)
+        a.exchange_loads({url: 3}, dict(a.granted))  # one of A's four finished
+        assert b.acquire_lower(url, 0, 4)
+        assert not a.acquire_lower(url, 3, 4)  # 3 + B's 1: full
+    finally:
+        a.close()
+        b.close()
+
+
 def test_two_gateways_keep_one_lower_tier_limit_per_replica(replicas, pg_database):  # noqa: F811
     """One replica of 6 slots, 2 kept for priority (a lower-tier limit of 4): gateway A
     floods it with default work, then gateway B does too. B sees A's 4 on the replica
     and releases none of its own until they drain, so the two together never pass the
     limit (each alone would allow 4: 8 in all); a priority request through B still goes
     at once."""
+    import threading
+
     from tierserve.router.flow import FlowConfig
     spec = [replicas[0].spec(max_num_seqs=6)]
     settings = [ServerSettings(database=pg_database) for _ in range(2)]
     a, b = (Gateway(spec, s, flow=FlowConfig(reserved_priority_seqs=2)) for s in settings)
-    ra, rb = a.backend.gateway.replicas[0], b.backend.gateway.replicas[0]
-    samples, stop = [], False
+    # Both gateways' lower-tier requests on the replica, counted together under one lock
+    # as each gateway's loop sends and finishes them: up before a request is sent, down
+    # after it has finished, so the count is never below the truth, and reading two
+    # counters from a third thread cannot see one before and one after a change.
+    lock, both, samples = threading.Lock(), [0, 0], []
 
-    def watch():
-        while not stop:
-            samples.append((ra.lower_in_flight, rb.lower_in_flight))
-            time.sleep(0.01)
+    def count(i, flow):
+        sent, finished = flow.sent, flow.finished
+
+        def on_sent(request, replica, now):
+            if request.tier != Tier.PRIORITY:
+                with lock:
+                    both[i] += 1
+                    samples.append(tuple(both))
+            sent(request, replica, now)
+
+        def on_finished(request, *args, **kwargs):
+            lower = request.replica is not None and request.tier != Tier.PRIORITY
+            finished(request, *args, **kwargs)
+            if lower:
+                with lock:
+                    both[i] -= 1
+        flow.sent, flow.finished = on_sent, on_finished
+
+    count(0, a.backend.gateway)
+    count(1, b.backend.gateway)
+    ra = a.backend.gateway.replicas[0]
 
     def flood(gw, n):
         return [pool.submit(lambda: httpx.post(gw.url + "/v1/completions", timeout=300, json={
@@ -189,7 +234,6 @@ def test_two_gateways_keep_one_lower_tier_limit_per_replica(replicas, pg_databas
             for _ in range(n)]
 
     pool = concurrent.futures.ThreadPoolExecutor(24)
-    watcher = pool.submit(watch)
     try:
         first = flood(a, 8)
         deadline = time.time() + 30
@@ -203,12 +247,11 @@ def test_two_gateways_keep_one_lower_tier_limit_per_replica(replicas, pg_databas
         assert fast.status_code == 200
         assert all(f.result().status_code == 200 for f in first + second)
     finally:
-        stop = True
-        watcher.result()
         pool.shutdown()
         a.stop()
         b.stop()
     # each release takes a slot of the shared limit first: never more than 4 together
+    assert len(samples) >= 16 and both == [0, 0]
     assert max(x + y for x, y in samples) <= 4, max(samples, key=sum)
     assert max(y for _, y in samples) >= 1  # B did run its share, once A's drained
 

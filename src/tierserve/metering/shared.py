@@ -99,6 +99,9 @@ class SharedState:
         self.gateway = gateway or f"gw-{uuid.uuid4().hex[:12]}"
         self._db = Database(target)
         self._lock = threading.Lock()
+        self.granted: dict[str, int] = {}
+        """Replica URL -> lower-tier slots `acquire_lower` granted so far: a count of
+        `mine` taken before a grant is stale (see `exchange_loads`)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="leases", daemon=True)
         self._thread.start()
@@ -154,10 +157,19 @@ class SharedState:
                 pass
 
     # --------------------------------------------------------- replica load
-    def exchange_loads(self, mine: dict[str, int]) -> dict[str, int]:
+    def exchange_loads(self, mine: dict[str, int],
+                       granted: dict[str, int] | None = None) -> dict[str, int]:
         """Publish this gateway's lower-tier requests per replica URL; return the other
-        gateways' (their rows of the last LOAD_TTL_S: a dead gateway's drop out)."""
+        gateways' (their rows of the last LOAD_TTL_S: a dead gateway's drop out).
+
+        `granted` is `self.granted` as it was when `mine` was counted. A replica granted
+        a slot since then keeps its row as `acquire_lower` left it: the count is from
+        before that grant, and writing it would put the row below the truth (the next
+        exchange publishes the decrease)."""
         with self._lock, self._db as db:
+            if granted is not None:
+                mine = {url: n for url, n in mine.items()
+                        if self.granted.get(url, 0) == granted.get(url, 0)}
             db.executemany(
                 f"INSERT INTO replica_loads (gateway, replica, lower, at) VALUES "
                 f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
@@ -185,6 +197,7 @@ class SharedState:
                        f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
                        f"lower = excluded.lower, at = excluded.at",
                        (self.gateway, replica, mine + 1))
+            self.granted[replica] = self.granted.get(replica, 0) + 1
             return True
 
     # -------------------------------------------------------------- buckets

@@ -486,9 +486,12 @@ class FleetBackend:
         from tierserve.metering.shared import LOAD_INTERVAL_S
 
         while True:
+            # counted with the grants so far, on this loop (where grants happen): the
+            # thread below must not publish a count a grant made meanwhile has outdated
             mine = {self.specs[r.name].url: r.lower_in_flight for r in self.gateway.replicas}
+            granted = dict(self._shared.granted)
             try:
-                others = await asyncio.to_thread(self._shared.exchange_loads, mine)
+                others = await asyncio.to_thread(self._shared.exchange_loads, mine, granted)
             except Exception as exc:  # the database away: count our own only meanwhile
                 log.warning("replica loads not exchanged (%s)", exc)
                 others = {}
