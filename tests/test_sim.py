@@ -56,6 +56,23 @@ def test_closed_loop_keeps_at_most_users_in_flight():
     assert peak <= 4
 
 
+def test_a_closed_loop_user_whose_request_is_refused_sends_the_next():
+    """Flex requests refused for waiting too long (as the engine's 429) end their user's
+    turn, as a finished request does: the user sends its next request at once (no think
+    time), so all six users stay in flight to the end rather than leaving at a refusal."""
+    cfg = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=256, policy="tiered",
+                          flex_max_wait_s=0.05)
+    sim = Simulator(cfg, 4000, 16, 4096, MODEL, 3.6, step_time_limit_s=0.05)
+    result = sim.run(make_workload("closed:users=6,n=80,flex=1,prompt=16-64,output=30-40,"
+                                   "seed=2"))
+    assert len(result.requests) == 80
+    refused = [r for r in result.requests if r.finish_reason == "refused"]
+    assert len(refused) > 6  # users came back after a refusal (each one at least once)
+    last = sorted(result.requests, key=lambda r: r.arrival_time)[-20:]
+    t = last[0].arrival_time  # a late instant: six users, six requests out
+    assert sum(r.arrival_time <= t < r.finished_time for r in result.requests) == 6
+
+
 def test_the_simulator_makes_the_engines_scheduling_decisions():
     """Same requests (lengths, tiers, all queued at once) through the real engine and the
     simulator: every step schedules the same requests for the same token counts."""

@@ -318,8 +318,9 @@ class Simulator:
     def _start_step(self, replica: Replica) -> None:
         now = self.clock.now()
         out, refused = replica.core.plan(now)
-        for request in refused:
+        for request in refused:  # a 429 to a closed-loop user: it sends its next one
             self._finish(replica, request, now)
+            self._next_of_user(request.request_id, now)
         if out.is_empty:
             if replica.scheduler.has_unfinished() and not self._events:
                 guard_s = replica.scheduler.config.priority_guard_s
