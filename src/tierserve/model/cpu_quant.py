@@ -1210,6 +1210,7 @@ static at::Tensor pack_int8_avx2(const at::Tensor& w) {
 // x's d in float32, per 8 outputs. Against the earlier layout (one output row per pass, a
 // float scaling per group and row, a sum across the vector at the end): the head at 16
 // and 64 rows in 0.68x the time, at one row 0.82x (Zen 3; docs/benchmarks.md).
+constexpr int64_t HEAD_PF = 1024;
 template <int R, typename Y>
 static void int8_tile_avx2(const int8_t* wt, const int32_t* xq4, const float* dx,
                            const float* sc, Y* y, int64_t k, int64_t n, int64_t groups) {
@@ -1221,6 +1222,7 @@ static void int8_tile_avx2(const int8_t* wt, const int32_t* xq4, const float* dx
     __m256i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t s = g * 8; s < g * 8 + 8; ++s) {
+      _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + HEAD_PF), _MM_HINT_T1);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
       const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
@@ -1257,13 +1259,26 @@ static bool int8_avx2() {
 #endif
 }
 
+// int8_matmul_avx2's scales: float32, padded with zeros to whole tiles of 16 outputs. Kept
+// so by the lean step's head (made once); given otherwise, made here each call.
+static at::Tensor int8_avx2_scales(const at::Tensor& scales, int64_t n) {
+  const int64_t padded = (n + 15) / 16 * 16;
+  if (scales.scalar_type() == at::kFloat && scales.numel() == padded && scales.is_contiguous())
+    return scales;
+  TORCH_CHECK(scales.numel() == n, "int8_matmul_avx2 takes N scales");
+  at::Tensor sc = at::zeros({padded}, scales.options().dtype(at::kFloat));
+  sc.narrow(0, 0, n).copy_(scales.reshape({n}));       // the padding's scales: 0
+  return sc;
+}
+
 // y [M, N] = (x W^T) * scales from pack_int8_avx2's packing, x rounded to int8 per group
-// of 32 (AVX2).
+// of 32 (AVX2); scales [N] or int8_avx2_scales' float32 copy.
 static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed,
                                    const at::Tensor& scales, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / 32, tiles = (n + 15) / 16;
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte &&
-              packed.numel() == tiles * 16 * k && k % 32 == 0 && scales.numel() == n,
+              packed.numel() == tiles * 16 * k && k % 32 == 0 &&
+              (scales.numel() == n || scales.numel() == tiles * 16),
               "int8_matmul_avx2 takes x [M, K] (K a multiple of 32), an int8 weight [N, K] "
               "packed by pack_int8_avx2, N scales");
   TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
@@ -1271,8 +1286,7 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed
               "int8_matmul_avx2 takes bfloat16 or float32 x");
   at::Tensor y = at::empty({m, n}, x.options());
 #if defined(TIERSERVE_INT4_AVX2)
-  at::Tensor sc = at::zeros({tiles * 16}, scales.options().dtype(at::kFloat));
-  sc.narrow(0, 0, n).copy_(scales.reshape({n}));       // the padding's scales: 0
+  at::Tensor sc = int8_avx2_scales(scales, n);
   const std::unique_ptr<int8_t[]> xq(new int8_t[std::max<int64_t>(1, m * k)]);
   const std::unique_ptr<float[]> dx(new float[std::max<int64_t>(1, m * groups)]),
       xs(new float[std::max<int64_t>(1, m * groups)]);

@@ -64,6 +64,7 @@ struct LeanLinear {
   py::object module;
   at::Tensor vnni;                     // the head's int8 weight in pack_int8_vnni's packing
   at::Tensor avx2;                     // ... in pack_int8_avx2's (AVX2, no VNNI)
+  at::Tensor avx2_scales;              // and its scales as that kernel reads them
   at::Tensor blocked;                  // an int4 layer's pairs in block order (AVX2;
                                        // int4_blocked_scales)
   at::Tensor dense;                    // a kernel kind's weight in bfloat16, packed by
@@ -78,7 +79,7 @@ struct LeanLinear {
     if (vnni.defined()) {
       y = int8_matmul_vnni(x, vnni, aux, w.size(0));
     } else if (avx2.defined()) {
-      y = int8_matmul_avx2(x, avx2, aux, w.size(0));
+      y = int8_matmul_avx2(x, avx2, avx2_scales, w.size(0));
     } else if (blocks && int4_fast(aux, group)) {
       y = int4_matmul(x, w, blocked.defined() ? blocked : aux, group);
     } else if (blocks && rows > max_rows) {    // wide x, no VNNI: dequantize once, dense
@@ -256,8 +257,10 @@ struct LeanModel {
         aux.dim() == 1 && aux.scalar_type() == at::kBFloat16 && !bias.has_value())
       head->vnni = pack_int8_vnni(w);
     else if (round_input && kind == INT8 && int8_avx2() && w.size(1) % 32 == 0 &&
-             aux.dim() == 1 && !bias.has_value() && body_rounds)
+             aux.dim() == 1 && !bias.has_value() && body_rounds) {
       head->avx2 = pack_int8_avx2(w);
+      head->avx2_scales = int8_avx2_scales(aux, w.size(0));
+    }
   }
 
   at::Tensor logits(const at::Tensor& x) {
