@@ -226,6 +226,25 @@ def test_the_int8_head_on_integer_dots_is_exact_up_to_int8_inputs_and_one_roundi
     assert float((got - exact).norm() / exact.norm()) < 0.01
 
 
+@pytest.mark.skipif(not getattr(kernels.load(), "int8_avx2", False),
+                    reason="the AVX2 int8 head kernel (AVX2 without AVX-512 VNNI)")
+@pytest.mark.parametrize("rows", [1, 6])
+def test_the_avx2_head_takes_its_scales_made_once_with_the_same_bits(rows):
+    """The lean step keeps the AVX2 head's scales as the kernel reads them (float32, padded
+    with zeros to whole tiles of 16); given so, the kernel gives the bits it gives from the
+    layer's own bfloat16 scales. Any other count of scales is refused."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = int8_linear(torch.randn(327, 576, generator=gen), None, torch.bfloat16)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    kernel = kernels.load()
+    packed = kernel.pack_int8_avx2(layer.weight)
+    padded = torch.cat([layer.scales.float(), torch.zeros(9)])          # 336: 21 tiles
+    want = kernel.int8_matmul_avx2(x, packed, layer.scales, 327)
+    assert torch.equal(kernel.int8_matmul_avx2(x, packed, padded, 327), want)
+    with pytest.raises(RuntimeError, match="scales"):
+        kernel.int8_matmul_avx2(x, packed, padded[:330], 327)
+
+
 @int8_vnni
 def test_an_int8_head_that_fits_runs_on_integer_dots_in_the_lean_step():
     """What set_head decides: the 4-bit model's int8 head gives the integer kernel's logits."""

@@ -1210,10 +1210,16 @@ static at::Tensor pack_int8_avx2(const at::Tensor& w) {
 // x's d in float32, per 8 outputs. Against the earlier layout (one output row per pass, a
 // float scaling per group and row, a sum across the vector at the end): the head at 16
 // and 64 rows in 0.68x the time, at one row 0.82x (Zen 3; docs/benchmarks.md).
+// HEAD_PF: a tile's first pass asks for the bytes 1 KB ahead into L2 (the next tile's,
+// past its end: a thread's tiles lie one after the other). Each thread streams 14 MB of
+// SmolLM2's head, crossing a 4 KB page every 64 steps, where the hardware prefetcher
+// stops. At one row the head took 0.73x its time, the whole lone step 0.92x (2-core EPYC
+// Zen 3); 8 KB ahead was no faster in the step, 512 B slower.
 constexpr int64_t HEAD_PF = 1024;
 template <int R, typename Y>
 static void int8_tile_avx2(const int8_t* wt, const int32_t* xq4, const float* dx,
-                           const float* sc, Y* y, int64_t k, int64_t n, int64_t groups) {
+                           const float* sc, Y* y, int64_t k, int64_t n, int64_t groups,
+                           bool ahead) {
   const int64_t steps = k / 4;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 tot[R][2];
@@ -1222,7 +1228,8 @@ static void int8_tile_avx2(const int8_t* wt, const int32_t* xq4, const float* dx
     __m256i acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
     for (int64_t s = g * 8; s < g * 8 + 8; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + HEAD_PF), _MM_HINT_T1);
+      if (ahead)
+        _mm_prefetch(reinterpret_cast<const char*>(wt + s * 64 + HEAD_PF), _MM_HINT_T1);
       const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64));
       const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + s * 64 + 32));
       const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
@@ -1309,11 +1316,12 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed
           const int64_t rows = std::min<int64_t>(4, m - r0);
           Y* yr = width == 16 ? yp + r0 * n + t * 16 : part;
           const int64_t stride = width == 16 ? n : 16;
+          const bool ahead = r0 == 0;       // the tile's first pass reads it in
           switch (rows) {
-            case 1: int8_tile_avx2<1>(wt, xr, dr, sp + t * 16, yr, k, stride, groups); break;
-            case 2: int8_tile_avx2<2>(wt, xr, dr, sp + t * 16, yr, k, stride, groups); break;
-            case 3: int8_tile_avx2<3>(wt, xr, dr, sp + t * 16, yr, k, stride, groups); break;
-            default: int8_tile_avx2<4>(wt, xr, dr, sp + t * 16, yr, k, stride, groups);
+            case 1: int8_tile_avx2<1>(wt, xr, dr, sp + t * 16, yr, k, stride, groups, ahead); break;
+            case 2: int8_tile_avx2<2>(wt, xr, dr, sp + t * 16, yr, k, stride, groups, ahead); break;
+            case 3: int8_tile_avx2<3>(wt, xr, dr, sp + t * 16, yr, k, stride, groups, ahead); break;
+            default: int8_tile_avx2<4>(wt, xr, dr, sp + t * 16, yr, k, stride, groups, ahead);
           }
           if (width < 16)
             for (int64_t r = 0; r < rows; ++r)
