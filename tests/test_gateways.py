@@ -169,7 +169,8 @@ def test_a_load_counted_before_a_grant_never_lowers_the_granted_row(pg_database)
     """A gateway counts 3 lower-tier requests on a replica for its next exchange, and a
     release takes a 4th slot before the exchange writes: the row stays 4, so another
     gateway finds the limit of 4 full. The next exchange, counted after the grant,
-    publishes the drop to 3, and the other gateway gets its slot."""
+    publishes the drop to 3, and the other gateway gets its slot. A request moved there
+    (Envoy's retry) raises the row as a grant does."""
     from tierserve.metering.ledger import connect
     connect(pg_database).close()  # the tables
     a, b = shared.SharedState(pg_database), shared.SharedState(pg_database)
@@ -183,6 +184,10 @@ def test_a_load_counted_before_a_grant_never_lowers_the_granted_row(pg_database)
         a.exchange_loads({url: 3}, dict(a.granted))  # one of A's four finished
         assert b.acquire_lower(url, 0, 4)
         assert not a.acquire_lower(url, 3, 4)  # 3 + B's 1: full
+        granted = dict(a.granted)  # counted: 3 again
+        a.raise_lower(url, 4)  # Envoy moved one of A's requests there meanwhile
+        a.exchange_loads({url: 3}, granted)
+        assert b.exchange_loads({url: 1}) == {url: 4}
     finally:
         a.close()
         b.close()

@@ -24,7 +24,10 @@ NOTE: one order between tiers
     a slot of the limit before each lower-tier release in one transaction (an advisory
     lock per replica: its count plus the others' under the limit, its row raised), so the
     limit, and the slots it keeps free for priority, hold for all gateways together. A
-    row is raised at once and lowered at the next publish: never below the truth.
+    row is raised at once (a grant, or a request Envoy moved there) and lowered at the
+    next publish (never from a count taken before a grant made since): never below the
+    truth while the database answers and its gateway keeps publishing (a row older than
+    LOAD_TTL_S stops counting, as a dead gateway's).
 
 NOTE: buckets
     A token bucket per (tenant, requests|tokens), refilled continuously at the limit per
@@ -50,6 +53,9 @@ LOAD_INTERVAL_S)."""
 LOAD_INTERVAL_S = 0.1
 _NOW = "extract(epoch from clock_timestamp())"
 """The database's clock (every gateway reads the same one)."""
+_UPSERT_LOAD = (f"INSERT INTO replica_loads (gateway, replica, lower, at) VALUES "
+                f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
+                f"lower = excluded.lower, at = excluded.at")
 
 
 def migrate_shared(db: Database) -> None:
@@ -170,11 +176,7 @@ class SharedState:
             if granted is not None:
                 mine = {url: n for url, n in mine.items()
                         if self.granted.get(url, 0) == granted.get(url, 0)}
-            db.executemany(
-                f"INSERT INTO replica_loads (gateway, replica, lower, at) VALUES "
-                f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
-                f"lower = excluded.lower, at = excluded.at",
-                [(self.gateway, url, n) for url, n in mine.items()])
+            db.executemany(_UPSERT_LOAD, [(self.gateway, url, n) for url, n in mine.items()])
             rows = db.execute(
                 f"SELECT replica, sum(lower) FROM replica_loads WHERE gateway != ? AND "
                 f"at > {_NOW} - {LOAD_TTL_S} GROUP BY replica", (self.gateway,)).fetchall()
@@ -193,12 +195,16 @@ class SharedState:
                 (replica, self.gateway)).fetchone()[0])
             if mine + others + 1 > limit:
                 return False
-            db.execute(f"INSERT INTO replica_loads (gateway, replica, lower, at) VALUES "
-                       f"(?, ?, ?, {_NOW}) ON CONFLICT (gateway, replica) DO UPDATE SET "
-                       f"lower = excluded.lower, at = excluded.at",
-                       (self.gateway, replica, mine + 1))
+            db.execute(_UPSERT_LOAD, (self.gateway, replica, mine + 1))
             self.granted[replica] = self.granted.get(replica, 0) + 1
             return True
+
+    def raise_lower(self, replica: str, mine: int) -> None:
+        """This gateway's count on `replica` rose to `mine` without a grant (Envoy retried
+        a request there): its row rises at once, as after a grant."""
+        with self._lock, self._db as db:
+            db.execute(_UPSERT_LOAD, (self.gateway, replica, mine))
+            self.granted[replica] = self.granted.get(replica, 0) + 1
 
     # -------------------------------------------------------------- buckets
     def take(self, tenant: str, wants: list[tuple[str, float, float]]) -> dict[str, tuple]:

@@ -1211,10 +1211,11 @@ static at::Tensor pack_int8_avx2(const at::Tensor& w) {
 // float scaling per group and row, a sum across the vector at the end): the head at 16
 // and 64 rows in 0.68x the time, at one row 0.82x (Zen 3; docs/benchmarks.md).
 // HEAD_PF: a tile's first pass asks for the bytes 1 KB ahead into L2 (the next tile's,
-// past its end: a thread's tiles lie one after the other). Each thread streams 14 MB of
-// SmolLM2's head, crossing a 4 KB page every 64 steps, where the hardware prefetcher
-// stops. At one row the head took 0.73x its time, the whole lone step 0.92x (2-core EPYC
-// Zen 3); 8 KB ahead was no faster in the step, 512 B slower.
+// past its end: a thread's tiles lie one after the other; the last tile asks for none).
+// Each thread streams 14 MB of SmolLM2's head, crossing a 4 KB page every 64 steps, where
+// the hardware prefetcher stops. At one row the head took 0.705x its time, the whole lone
+// step 0.92x (2-core EPYC Zen 3); 8 KB ahead was no faster in the step, 512 B slower.
+// Later passes (rows 5 on) find a tile in L1 while it fits (16 x K bytes: 9 KB for K 576).
 constexpr int64_t HEAD_PF = 1024;
 template <int R, typename Y>
 static void int8_tile_avx2(const int8_t* wt, const int32_t* xq4, const float* dx,
@@ -1272,7 +1273,8 @@ static at::Tensor int8_avx2_scales(const at::Tensor& scales, int64_t n) {
   const int64_t padded = (n + 15) / 16 * 16;
   if (scales.scalar_type() == at::kFloat && scales.numel() == padded && scales.is_contiguous())
     return scales;
-  TORCH_CHECK(scales.numel() == n, "int8_matmul_avx2 takes N scales");
+  TORCH_CHECK(scales.numel() == n, "int8_matmul_avx2 takes N scales, or N padded with "
+              "zeros to a multiple of 16 in float32");
   at::Tensor sc = at::zeros({padded}, scales.options().dtype(at::kFloat));
   sc.narrow(0, 0, n).copy_(scales.reshape({n}));       // the padding's scales: 0
   return sc;
@@ -1287,7 +1289,7 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed
               packed.numel() == tiles * 16 * k && k % 32 == 0 &&
               (scales.numel() == n || scales.numel() == tiles * 16),
               "int8_matmul_avx2 takes x [M, K] (K a multiple of 32), an int8 weight [N, K] "
-              "packed by pack_int8_avx2, N scales");
+              "packed by pack_int8_avx2, N scales (or N padded to a multiple of 16)");
   TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "int8_matmul_avx2 takes bfloat16 or float32 x");
@@ -1316,7 +1318,7 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed
           const int64_t rows = std::min<int64_t>(4, m - r0);
           Y* yr = width == 16 ? yp + r0 * n + t * 16 : part;
           const int64_t stride = width == 16 ? n : 16;
-          const bool ahead = r0 == 0;       // the tile's first pass reads it in
+          const bool ahead = r0 == 0 && t + 1 < tiles;  // the first pass reads it in
           switch (rows) {
             case 1: int8_tile_avx2<1>(wt, xr, dr, sp + t * 16, yr, k, stride, groups, ahead); break;
             case 2: int8_tile_avx2<2>(wt, xr, dr, sp + t * 16, yr, k, stride, groups, ahead); break;

@@ -373,6 +373,12 @@ class FleetBackend:
         self.accounting.left(req.stats, now)
         self.gateway.finished(req.pending, now)
         self.gateway.sent(req.pending, target, now)
+        if self._shared is not None and req.pending.tier != Tier.PRIORITY \
+                and not target.protects:  # its row rises with it, as after a grant
+            try:
+                self._shared.raise_lower(self.specs[name].url, target.lower_in_flight)
+            except Exception as exc:
+                log.warning("shared replica load not raised (%s)", exc)
         self.accounting.scheduled(req.stats, now, name)
 
     async def _exact_cost(self, req: _Request, spec: remote.ReplicaSpec) -> dict | None:
