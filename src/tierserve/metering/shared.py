@@ -106,8 +106,9 @@ class SharedState:
         self._db = Database(target)
         self._lock = threading.Lock()
         self.granted: dict[str, int] = {}
-        """Replica URL -> lower-tier slots `acquire_lower` granted so far: a count of
-        `mine` taken before a grant is stale (see `exchange_loads`)."""
+        """Replica URL -> times this gateway's row there was raised (`acquire_lower`'s
+        grants, `raise_lower`): a count of `mine` taken before one is stale (see
+        `exchange_loads`)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="leases", daemon=True)
         self._thread.start()
