@@ -1286,16 +1286,15 @@ static at::Tensor int8_matmul_avx2(const at::Tensor& x, const at::Tensor& packed
                                    const at::Tensor& scales, int64_t n) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / 32, tiles = (n + 15) / 16;
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte &&
-              packed.numel() == tiles * 16 * k && k % 32 == 0 &&
-              (scales.numel() == n || scales.numel() == tiles * 16),
-              "int8_matmul_avx2 takes x [M, K] (K a multiple of 32), an int8 weight [N, K] "
-              "packed by pack_int8_avx2, N scales (or N padded to a multiple of 16)");
+              packed.numel() == tiles * 16 * k && k % 32 == 0,
+              "int8_matmul_avx2 takes x [M, K] (K a multiple of 32) and an int8 weight "
+              "[N, K] packed by pack_int8_avx2");
   TORCH_CHECK(int8_avx2(), "int8_matmul_avx2 is built on AVX2 CPUs without AVX-512 VNNI");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "int8_matmul_avx2 takes bfloat16 or float32 x");
+  const at::Tensor sc = int8_avx2_scales(scales, n);   // checks their count
   at::Tensor y = at::empty({m, n}, x.options());
 #if defined(TIERSERVE_INT4_AVX2)
-  at::Tensor sc = int8_avx2_scales(scales, n);
   const std::unique_ptr<int8_t[]> xq(new int8_t[std::max<int64_t>(1, m * k)]);
   const std::unique_ptr<float[]> dx(new float[std::max<int64_t>(1, m * groups)]),
       xs(new float[std::max<int64_t>(1, m * groups)]);

@@ -31,7 +31,7 @@ server's event loop keeps answering while the engine thread computes.
 Llama-shaped models only: no q/k norms, no output norms, no sliding window, SiLU, the
 standard attention scale (Gemma 3 keeps the Python path). Compiled with the decode kernel
 as one extension (model/kernels.py), after the 4- and 8-bit kernels (cpu_quant.py). About
-650 lines because the C++ source is one string with the extension's bindings (and the
+690 lines because the C++ source is one string with the extension's bindings (and the
 greedy argmax the sampler takes from it, `argmax_rows`) at its end, and the helpers that
 build the KV caches (bf16 or int8, `new_kv_caches`) and decode teacher-forced for quality
 checks (`decode_logits`), and choose its AMX copies (`dense_copies`), sit beside the step

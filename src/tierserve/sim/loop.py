@@ -318,9 +318,8 @@ class Simulator:
     def _start_step(self, replica: Replica) -> None:
         now = self.clock.now()
         out, refused = replica.core.plan(now)
-        for request in refused:  # a 429 to a closed-loop user: it sends its next one
+        for request in refused:  # a 429: a closed-loop user sends its next one too
             self._finish(replica, request, now)
-            self._next_of_user(request.request_id, now)
         if out.is_empty:
             if replica.scheduler.has_unfinished() and not self._events:
                 guard_s = replica.scheduler.config.priority_guard_s
@@ -357,7 +356,6 @@ class Simulator:
                 self._changed = True
             if request.is_finished:
                 self._finish(replica, request, now)
-                self._next_of_user(request.request_id, now)
         replica.kv_sum += replica.block_manager.usage
 
     def _next_of_user(self, rid: str, now: float) -> None:
@@ -375,6 +373,7 @@ class Simulator:
         if held is not None:
             self.gateway.finished(held[2], now, stats.ttft_s, stats.tpot_s)
             self._changed = True
+        self._next_of_user(request.request_id, now)
 
     # ------------------------------------------------------------- result
     def _result(self) -> SimResult:
