@@ -14,7 +14,7 @@ from tierserve.metering.ledger import Ledger, RequestRow
 from tierserve.model.shapes import preset
 from tierserve.sim.fleet import FleetConfig, Machine, Router, make_simulator
 from tierserve.sim.loop import Replica
-from tierserve.sim.plan import Planner
+from tierserve.sim.plan import Planner, describe_headroom
 from tierserve.sim.report import fast_vs_batch, summarize
 from tierserve.sim.workload import SimRequest, make_workload, with_priority_fraction
 
@@ -151,6 +151,39 @@ def test_plan_finds_cheapest_configurations_that_meet_the_slos():
     assert curve["by_priority_tpot"][0]["replicas"] == fits[0].replicas
 
 
+def test_a_plans_headroom_is_how_much_slower_its_steps_can_run_before_it_misses(tmp_path):
+    """The plan says how close to its workload's knee it sits: its fleet simulated with
+    slower steps in turn, up to the first that misses, on top of any --step-time-margin."""
+    MODEL.save(tmp_path / "profile.json")
+
+    def plan(rate, margin):
+        planner = Planner(preset("smollm2-135m"), PLAN_SLO, attainment=0.9,
+                          step_time_profile=str(tmp_path / "profile.json"), price_per_hour=3.6,
+                          step_time_margin=margin)
+        workload = make_workload(f"poisson:rate={rate},n=80,priority=0.2,prompt=64-256,"
+                                 "output=8-32,seed=1")
+        fit = planner.search(workload, ["cpu-local"], ["shared"], [16], [512], 1)[0]
+        return planner, fit, workload, planner.headroom(fit, workload)
+
+    def worst(planner, fit, workload, margin):
+        s = planner.simulate(fit.cell, fit.replicas, workload, PLAN_SLO, margin)
+        return min(s["tiers"][t]["slo_attainment"] for t in PLAN_SLO)
+
+    planner, fit, workload, room = plan(30, 0.0)    # near its knee
+    assert room["holds_at_slower"] == 0.1 and room["misses"]["slower"] == 0.2
+    assert worst(planner, fit, workload, 0.1) >= 0.9
+    assert worst(planner, fit, workload, 0.2) == room["misses"]["attainment"] < 0.9
+    assert plan(20, 0.0)[3] == {"holds_at_slower": 0.5, "misses": None}
+    planner, fit, workload, room = plan(20, 0.2)    # 1.2 x 1.3 slower misses
+    assert room["holds_at_slower"] == 0.2 and room["misses"]["slower"] == 0.3
+    assert worst(planner, fit, workload, 1.2 * 1.3 - 1) == room["misses"]["attainment"] < 0.9
+    assert describe_headroom(room) == (
+        "meets every SLO with steps up to 20% slower than the profile; at 30% slower "
+        f"{room['misses']['tier']} meets {room['misses']['attainment']:.0%}")
+    assert describe_headroom({"holds_at_slower": 0.0, "misses": {
+        "slower": 0.05, "tier": "default", "attainment": 0.8}}).startswith("at its workload's knee")
+
+
 def test_plan_says_so_when_nothing_meets_the_slos():
     planner = Planner(preset("llama-3-8b"), {"priority": (0.001, None)})
     with pytest.raises(ConfigError, match="no configuration meets every SLO") as info:
@@ -167,6 +200,7 @@ def test_plan_and_sim_command_lines(capsys):
                  "--format", "json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["fits"][0]["hardware"] == "h100-sxm"
+    assert set(out["headroom"]) == {"holds_at_slower", "misses"}
     assert len(out["fast_mode"]["by_priority_fraction"]) == 2
     code = main(["sim", "--workload", "poisson:rate=10,n=40,priority=0.3,output=4-16",
                  "--policy", "dedicated", "--format", "json"])

@@ -16,13 +16,17 @@ configuration on the same arrivals, and both are summarized by the same report c
    same arrivals in real time, its cost meter priced like the plan's.
    `sim.report.summarize` reads both runs.
 
-Prints, per configuration run, predicted and measured SLO attainment per tier (points
-apart) and machine cost per 1K output tokens (relative error), then one summary line.
+Prints the plan's headroom (how much slower than the profile its steps can run before it
+misses an SLO, `Planner.headroom`); per configuration run, predicted and measured SLO
+attainment per tier (points apart), machine cost per 1K output tokens (relative error) and
+the run's steps over the profile's prediction (median: how far the machine moved since the
+calibration); then one summary line.
 The run is the in-process engine: the time an HTTP server adds is not in either side.
 """
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -62,7 +66,8 @@ def calibrate_profile(quantization: str | None, path: str) -> None:
 
 def run_real(cell, slo: dict, arrivals, quantization, price: float, model):
     """The configuration `cell` on the engine, the arrivals in real time: a SimResult, so
-    the planner's own summary reads it."""
+    the planner's own summary reads it; the wall time; and the median of the run's steps
+    over what `model` predicts for them (how far the machine moved from the profile)."""
     from tierserve.bench.tiers import run_open_loop
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
@@ -77,15 +82,16 @@ def run_real(cell, slo: dict, arrivals, quantization, price: float, model):
     engine.set_metering(meter)
     collector = StatsCollector()
     engine.add_sink(collector)
-    start = time.perf_counter()
-    run_open_loop(engine, arrivals)
+    start, shapes = time.perf_counter(), []
+    run_open_loop(engine, arrivals, shapes)
     meter.close_window(engine.clock.now())
     reqs, steps, sched = collector.requests, collector.steps, engine.scheduler
     makespan = max(r.finished_time for r in reqs) - min(r.arrival_time for r in reqs)
     return SimResult(reqs, makespan, sum(s.duration_s for s in steps), len(steps),
                      dict(sched.preemptions_by_tier), dict(sched.recomputed_tokens_by_tier),
                      sum(s.kv_usage for s in steps) / max(len(steps), 1),
-                     meter), time.perf_counter() - start
+                     meter), time.perf_counter() - start, \
+        statistics.median(d / model.predict_s(seqs) for seqs, d in shapes)
 
 
 def run(args) -> None:
@@ -93,7 +99,7 @@ def run(args) -> None:
     from tierserve.core.step_time import StepTimeModel
     from tierserve.engine.calibrate import cpu_model
     from tierserve.model.shapes import preset
-    from tierserve.sim.plan import Cell, Planner
+    from tierserve.sim.plan import Cell, Planner, describe_headroom
     from tierserve.sim.cli import parse_list, parse_slo
     from tierserve.sim.report import summarize
     from tierserve.sim.workload import SimRequest
@@ -114,13 +120,18 @@ def run(args) -> None:
         model = StepTimeModel.load(profile)
         fits = planner.search(workload, ["cpu-local"], ["shared"], seqs, budgets, 1)
         best = fits[0]
+        headroom = planner.headroom(best, workload)
+        print(f"plan_check plan {best.cell.describe()} headroom: "
+              + describe_headroom(headroom), flush=True)
         cells = [best.cell] if args.cells == "best" else \
             [Cell("cpu-local", "shared", s, b) for s in seqs for b in budgets]
-        worst_points, cost_errors, plan_measured = [], [], []
+        worst_points, cost_errors, plan_measured, moved = [], [], [], None
         for cell in cells:
             predicted = planner.simulate(cell, 1, workload, slo)
-            measured_result, wall = run_real(cell, slo, arrivals, quantization,
-                                             args.price_per_hour, model)
+            measured_result, wall, drift = run_real(cell, slo, arrivals, quantization,
+                                                    args.price_per_hour, model)
+            if cell == best.cell:
+                moved = drift
             measured = summarize(measured_result, slo)
             parts = []
             for tier in slo:
@@ -143,8 +154,8 @@ def run(args) -> None:
             print(f"plan_check {tag} {cell.describe()} | " + " | ".join(parts)
                   + f" | cost per 1K output predicted ${pc:.5f} measured ${mc:.5f} "
                   f"({abs(pc - mc) / mc:.0%}) | makespan predicted {predicted['makespan_s']:.1f}"
-                  f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s)",
-                  flush=True)
+                  f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s) | the run's "
+                  f"steps {drift:.2f}x the profile (median)", flush=True)
     print(f"plan_check cpu={cpu_model()!r} quantization={args.quantization} rate={args.rate:g} "
           f"requests={args.requests} slo={' '.join(args.slo or SLO_DEFAULT)!r} "
           f"attainment={args.attainment:g} step_time_margin={args.step_time_margin:g} "
@@ -153,7 +164,9 @@ def run(args) -> None:
           f"{max(worst_points, default=0):.0f} points (target 5), cost per 1K output apart "
           f"at most {max(cost_errors, default=0):.0%} (target 10%); the plan measured "
           + (f"{min(plan_measured):.0%}" if plan_measured else "-")
-          + f" in its worst SLO tier (asked {args.attainment:.0%})", flush=True)
+          + f" in its worst SLO tier (asked {args.attainment:.0%}); its headroom: steps up "
+          f"to {headroom['holds_at_slower']:.0%} slower than the profile, and its run's steps "
+          f"were {moved:.2f}x the profile", flush=True)
 
 
 def _ms(seconds: float | None) -> str:

@@ -204,6 +204,7 @@ def cmd_plan(args) -> int:
     fits = planner.search(workload, hardware, deployments, seqs, budgets, args.max_replicas,
                           progress=bar)
     bar.close()
+    headroom = planner.headroom(fits[0], workload)
     curve = None
     if not args.no_fast_mode_curve:
         bar = Bar("plan: fast-mode curve")
@@ -223,7 +224,7 @@ def cmd_plan(args) -> int:
     searched = (len(hardware) - len(planner.skipped)) * len(deployments) * len(seqs) \
         * len(budgets)
     print(render(fits, curve, desc, searched, planner.num_simulations, args.top,
-                 planner.skipped, args.format))
+                 planner.skipped, args.format, headroom))
     return 0
 
 

@@ -22,6 +22,15 @@ NOTE: the fast-mode curve
     In an open-loop workload the fleet's cost is its price times the time the arrivals
     span, so the total moves only when the fast lane forces another replica; the priority
     column shows the per-token premium the cost meter charges the fast lane meanwhile.
+
+NOTE: the headroom
+    The cheapest configuration's fleet is simulated again with every step 5, 10, 20, 30
+    and 50% slower than the model (HEADROOM_STEPS), up to the first that misses an SLO.
+    A plan at its workload's knee meets its SLOs as predicted and misses them when the
+    machine runs a little slower: on a shared 2-vCPU VM steps ran 0.8-1.3x a calibration
+    made minutes before, and a plan predicted at 93% measured 61% (docs/benchmarks.md,
+    issue 34). The headroom says how close to that edge a plan is; `--step-time-margin`
+    plans with a margin instead.
 """
 
 import json
@@ -35,6 +44,10 @@ from tierserve.sim.fleet import FleetConfig, Machine, machine_for, make_simulato
 from tierserve.sim.report import summarize
 from tierserve.sim.workload import with_priority_fraction
 from tierserve.tables import table
+
+
+HEADROOM_STEPS = (0.05, 0.1, 0.2, 0.3, 0.5)
+"""How much slower than calibrated the plan's headroom check runs its steps, in turn."""
 
 
 @dataclass(frozen=True)
@@ -110,16 +123,19 @@ class Planner:
         return self._machines[hardware]
 
     # ------------------------------------------------------------- one cell
-    def simulate(self, cell: Cell, replicas: int, workload, slo: dict) -> dict | None:
+    def simulate(self, cell: Cell, replicas: int, workload, slo: dict,
+                 margin: float | None = None) -> dict | None:
         """The run's summary, or None where the engine could not run the workload (a
-        request the KV pool cannot hold)."""
+        request the KV pool cannot hold). `margin`: steps that fraction slower than the
+        model (default: the planner's step_time_margin)."""
+        margin = self.step_time_margin if margin is None else margin
         machine = self.machine(cell.hardware)
         config = SchedulerConfig(max_num_seqs=cell.max_num_seqs,
                                  max_num_batched_tokens=cell.max_num_batched_tokens,
                                  policy=self.policy)
         fleet = replace(self.fleet, replicas=replicas, deployment=cell.deployment)
         sim = make_simulator(machine, config, fleet, step_time_limit(machine.model, slo),
-                             slo=slo, step_time_margin=self.step_time_margin)
+                             slo=slo, step_time_margin=margin)
         self.num_simulations += 1
         try:
             return summarize(sim.run(workload), slo)
@@ -187,6 +203,25 @@ class Planner:
         return sorted(fits, key=lambda f: (f.cost_per_hour, f.cost_per_1m_output or 0.0,
                                            -min(f.attainment.values(), default=1.0)))
 
+    def headroom(self, fit: Fit, workload, steps: tuple[float, ...] = HEADROOM_STEPS) -> dict:
+        """How much slower than the model (on top of step_time_margin) `fit`'s steps can
+        run before it misses an SLO: its fleet simulated again at each of `steps` in turn,
+        up to the first that misses (see the module's note)."""
+        held, missed = 0.0, None
+        for extra in steps:
+            margin = (1 + self.step_time_margin) * (1 + extra) - 1
+            summary = self.simulate(fit.cell, fit.replicas, workload, self.slo, margin)
+            shares = {} if summary is None else {
+                t: v["slo_attainment"] for t, v in summary["tiers"].items() if t in self.slo}
+            tier = min(shares, key=shares.get) if shares else None
+            if summary is not None and (tier is None or shares[tier] >= self.attainment):
+                held = extra
+                continue
+            missed = {"slower": extra, "tier": tier,
+                      "attainment": shares[tier] if tier else None}
+            break
+        return {"holds_at_slower": held, "misses": missed}
+
     def fast_mode_curve(self, best: Fit, workload, fractions: list[float],
                         tpot_scales: list[float], max_replicas: int,
                         progress=None) -> dict:
@@ -219,7 +254,8 @@ class Planner:
 
 # ------------------------------------------------------------------ output
 def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
-           simulations: int, top: int, skipped: dict, fmt: str = "table") -> str:
+           simulations: int, top: int, skipped: dict, fmt: str = "table",
+           headroom: dict | None = None) -> str:
     if fmt == "json":
         return json.dumps({"config": config, "configurations_searched": searched,
                            "simulations": simulations, "meeting_slos": len(fits),
@@ -227,7 +263,7 @@ def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
                            "fits": [{**asdict(f.cell), **{k: v for k, v in asdict(f).items()
                                                           if k != "cell"}}
                                     for f in fits[:top]],
-                           "fast_mode": curve}, indent=2)
+                           "headroom": headroom, "fast_mode": curve}, indent=2)
     lines = [f"plan {config}",
              f"{searched} configurations searched in {simulations} simulations; "
              f"{len(fits)} meet every SLO; the cheapest {min(top, len(fits))}:"]
@@ -240,6 +276,8 @@ def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
              " ".join(f"{t} {a:.0%}" for t, a in f.attainment.items()))
             for i, f in enumerate(fits[:top])]
     lines += table(head, rows)
+    if headroom:
+        lines += ["", "headroom of #1: " + describe_headroom(headroom)]
     if curve:
         lines += ["", f"what fast mode costs, on #1 ({fits[0].cell.describe()}):", ""]
         point_head = ("replicas", "$/hour", "$/1M out", "priority $/1M")
@@ -251,6 +289,21 @@ def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
                 (f"{p['priority_tpot_s'] * 1e3:.0f} ms (x{p['tpot_scale']:g})", *_point(p))
                 for p in curve["by_priority_tpot"]])
     return "\n".join(lines)
+
+
+def describe_headroom(headroom: dict) -> str:
+    """Planner.headroom's result as one sentence."""
+    held, missed = headroom["holds_at_slower"], headroom["misses"]
+    if missed is None:
+        return (f"meets every SLO with steps up to {held:.0%} slower than the profile "
+                "(the most tried)")
+    where = (f"{missed['tier']} meets {missed['attainment']:.0%}" if missed["tier"]
+             else "the KV pool cannot hold the workload")
+    if not held:
+        return (f"at its workload's knee: with steps {missed['slower']:.0%} slower than the "
+                f"profile {where}")
+    return (f"meets every SLO with steps up to {held:.0%} slower than the profile; at "
+            f"{missed['slower']:.0%} slower {where}")
 
 
 def _point(p: dict) -> tuple[str, str, str, str]:
