@@ -79,6 +79,7 @@ import httpx
 
 from tierserve.bench.fleet import REPO, Proc, gateway
 from tierserve.bench.serve import one_request
+from tierserve.bench.tiers import step_drift
 from tierserve.core.stats import percentile as pct
 
 TIERS = ("priority", "default", "flex")
@@ -330,9 +331,8 @@ def drift(specs: list[dict]) -> list[float]:
     for s in specs:
         data = httpx.get(s["url"] + "/tierserve/v1/steps", params={"after": s["timed"]},
                          timeout=30).json()["data"]
-        ratios = [r["seconds"] / s["model"].predict_s([tuple(q) for q in r["seqs"]])
-                  for r in data]
-        out.append(statistics.median(ratios) if ratios else float("nan"))
+        out.append(step_drift(s["model"], [([tuple(q) for q in r["seqs"]], r["seconds"])
+                                           for r in data]))
     return out
 
 

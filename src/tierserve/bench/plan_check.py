@@ -16,8 +16,8 @@ configuration on the same arrivals, and both are summarized by the same report c
    same arrivals in real time, its cost meter priced like the plan's.
    `sim.report.summarize` reads both runs.
 
-Prints the plan's headroom (how much slower than the profile its steps can run before it
-misses an SLO, `Planner.headroom`); per configuration run, predicted and measured SLO
+Prints the plan's step-time headroom (how much slower than the profile its steps can run
+before it misses an SLO, `Planner.step_time_headroom`); per configuration run, predicted and measured SLO
 attainment per tier (points apart), machine cost per 1K output tokens (relative error) and
 the run's steps over the profile's prediction (median: how far the machine moved since the
 calibration); then one summary line.
@@ -26,7 +26,6 @@ The run is the in-process engine: the time an HTTP server adds is not in either 
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -68,7 +67,7 @@ def run_real(cell, slo: dict, arrivals, quantization, price: float, model):
     """The configuration `cell` on the engine, the arrivals in real time: a SimResult, so
     the planner's own summary reads it; the wall time; and the median of the run's steps
     over what `model` predicts for them (how far the machine moved from the profile)."""
-    from tierserve.bench.tiers import run_open_loop
+    from tierserve.bench.tiers import run_open_loop, step_drift
     from tierserve.engine.llm_engine import LLMEngine
     from tierserve.llm import engine_config
     from tierserve.metering.cost import CostMeter
@@ -87,11 +86,11 @@ def run_real(cell, slo: dict, arrivals, quantization, price: float, model):
     meter.close_window(engine.clock.now())
     reqs, steps, sched = collector.requests, collector.steps, engine.scheduler
     makespan = max(r.finished_time for r in reqs) - min(r.arrival_time for r in reqs)
+    wall = time.perf_counter() - start
     return SimResult(reqs, makespan, sum(s.duration_s for s in steps), len(steps),
                      dict(sched.preemptions_by_tier), dict(sched.recomputed_tokens_by_tier),
                      sum(s.kv_usage for s in steps) / max(len(steps), 1),
-                     meter), time.perf_counter() - start, \
-        statistics.median(d / model.predict_s(seqs) for seqs, d in shapes)
+                     meter), wall, step_drift(model, shapes)
 
 
 def run(args) -> None:
@@ -120,8 +119,8 @@ def run(args) -> None:
         model = StepTimeModel.load(profile)
         fits = planner.search(workload, ["cpu-local"], ["shared"], seqs, budgets, 1)
         best = fits[0]
-        headroom = planner.headroom(best, workload)
-        print(f"plan_check plan {best.cell.describe()} headroom: "
+        headroom = planner.step_time_headroom(best, workload)
+        print(f"plan_check plan {best.cell.describe()} | step-time headroom: "
               + describe_headroom(headroom), flush=True)
         cells = [best.cell] if args.cells == "best" else \
             [Cell("cpu-local", "shared", s, b) for s in seqs for b in budgets]
@@ -156,6 +155,9 @@ def run(args) -> None:
                   f"({abs(pc - mc) / mc:.0%}) | makespan predicted {predicted['makespan_s']:.1f}"
                   f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s) | the run's "
                   f"steps {drift:.2f}x the profile (median)", flush=True)
+    base = 1 + args.step_time_margin   # the headroom is on top of the margin
+    held = base * (1 + headroom["holds_at_slower"])
+    miss = base * (1 + headroom["misses"]["slower"]) if headroom["misses"] else None
     print(f"plan_check cpu={cpu_model()!r} quantization={args.quantization} rate={args.rate:g} "
           f"requests={args.requests} slo={' '.join(args.slo or SLO_DEFAULT)!r} "
           f"attainment={args.attainment:g} step_time_margin={args.step_time_margin:g} "
@@ -164,9 +166,10 @@ def run(args) -> None:
           f"{max(worst_points, default=0):.0f} points (target 5), cost per 1K output apart "
           f"at most {max(cost_errors, default=0):.0%} (target 10%); the plan measured "
           + (f"{min(plan_measured):.0%}" if plan_measured else "-")
-          + f" in its worst SLO tier (asked {args.attainment:.0%}); its headroom: steps up "
-          f"to {headroom['holds_at_slower']:.0%} slower than the profile, and its run's steps "
-          f"were {moved:.2f}x the profile", flush=True)
+          + f" in its worst SLO tier (asked {args.attainment:.0%}); it met every SLO in the "
+          f"twin with steps up to {held:.2f}x the profile"
+          + (f", missed at {miss:.2f}x" if miss else "") + "; its run's steps were "
+          + (f"{moved:.2f}x" if moved is not None else "-"), flush=True)
 
 
 def _ms(seconds: float | None) -> str:

@@ -151,7 +151,7 @@ def _one_round(args, engine, policy: str, rate: float, arrivals: list, slo: dict
                errors: dict) -> tuple[dict, dict]:
     """Calibrate, run the engine on `arrivals`, run the twin on them; print the round's
     line and return both figures."""
-    from tierserve.bench.tiers import run_open_loop
+    from tierserve.bench.tiers import run_open_loop, step_drift
     from tierserve.engine.calibrate import calibrate
 
     model = engine.scheduler.step_time_model  # what the engine plans with (None: no cap)
@@ -185,7 +185,7 @@ def _one_round(args, engine, policy: str, rate: float, arrivals: list, slo: dict
         # a diagnostic only, not a prediction (the drift is read off the run itself): the
         # twin again with its steps scaled by the median of the run's measured/predicted,
         # which leaves what the twin's scheduling and queueing get wrong
-        moved = statistics.median(d / whole.predict_s(seqs) for seqs, d in measured_steps)
+        moved = step_drift(whole, measured_steps)
         print(f"sim_accuracy policy={policy} rate={rate:g} drift taken out (the run's steps "
               f"{moved:.2f}x the model, median; engine/sim, abs error) | "
               + _compare(fr, _twin(engine, model, whole.scaled(moved), arrivals, slo),

@@ -161,6 +161,14 @@ def run_open_loop(engine, arrivals: list[Arrival], whole_steps: list | None = No
     }
 
 
+def step_drift(model, steps: list[tuple[list[tuple[int, int]], float]]) -> float:
+    """The median over measured `steps` ([(num_tokens, context_len)...], seconds) of each
+    one's time over what `model` predicts for it: how far the machine (or the workload's
+    shapes) moved from the model. NaN where no step has a positive prediction."""
+    ratios = [d / q for seqs, d in steps if (q := model.predict_s(seqs)) > 0]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
 def calibrate_and_idle(engine, spec: dict) -> dict:
     """The step-time model, and TTFT of lone priority and default prompts."""
     from tierserve.core.stats import StatsCollector

@@ -204,7 +204,7 @@ def cmd_plan(args) -> int:
     fits = planner.search(workload, hardware, deployments, seqs, budgets, args.max_replicas,
                           progress=bar)
     bar.close()
-    headroom = planner.headroom(fits[0], workload)
+    headroom = planner.step_time_headroom(fits[0], workload)
     curve = None
     if not args.no_fast_mode_curve:
         bar = Bar("plan: fast-mode curve")
@@ -356,7 +356,8 @@ def add_parsers(sub) -> None:
     sim.set_defaults(func=cmd_sim)
 
     plan = sub.add_parser("plan", help="the cheapest fleets meeting every SLO for a "
-                                       "workload, and what fast mode costs")
+                                       "workload, the cheapest one's step-time headroom, "
+                                       "and what fast mode costs")
     plan.add_argument("--workload", default="poisson:rate=5,n=300,priority=0.2",
                       help="as for sim (default poisson:rate=5,n=300,priority=0.2)")
     plan.add_argument("--slo", action="append", metavar="TIER=TTFT_S,TPOT_S",

@@ -23,14 +23,16 @@ NOTE: the fast-mode curve
     span, so the total moves only when the fast lane forces another replica; the priority
     column shows the per-token premium the cost meter charges the fast lane meanwhile.
 
-NOTE: the headroom
+NOTE: the step-time headroom
     The cheapest configuration's fleet is simulated again with every step 5, 10, 20, 30
-    and 50% slower than the model (HEADROOM_STEPS), up to the first that misses an SLO.
-    A plan at its workload's knee meets its SLOs as predicted and misses them when the
-    machine runs a little slower: on a shared 2-vCPU VM steps ran 0.8-1.3x a calibration
-    made minutes before, and a plan predicted at 93% measured 61% (docs/benchmarks.md,
-    issue 34). The headroom says how close to that edge a plan is; `--step-time-margin`
-    plans with a margin instead.
+    and 50% slower than the step-time model (HEADROOM_STEPS; on top of
+    `--step-time-margin`), up to the first that misses an SLO. A plan at its workload's
+    knee meets its SLOs as predicted and misses them when the machine runs a little
+    slower: on a shared 2-vCPU VM steps ran 0.8-1.3x a calibration made minutes before,
+    and a plan predicted at 93% in its default tier measured 57% with its steps 1.10x
+    the profile (docs/benchmarks.md, issue 34). The headroom says how close to that edge
+    a plan is; `--step-time-margin` plans with a margin instead. (Not `plan --forecast
+    --headroom`, which is extra traffic.)
 """
 
 import json
@@ -47,7 +49,8 @@ from tierserve.tables import table
 
 
 HEADROOM_STEPS = (0.05, 0.1, 0.2, 0.3, 0.5)
-"""How much slower than calibrated the plan's headroom check runs its steps, in turn."""
+"""How much slower than the step-time model (and its margin) the step-time headroom check
+runs the plan's steps, in turn."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +154,7 @@ class Planner:
             summary = self.simulate(cell, replicas, workload, slo)
             if summary is None:
                 continue
-            shares = {tier: t["slo_attainment"] for tier, t in summary["tiers"].items()
-                      if tier in slo}
+            shares = slo_shares(summary, slo)
             worst = min(shares.values(), default=1.0)
             if worst >= self.attainment:
                 return Fit(cell, replicas, self.machine(cell.hardware).price_per_hour * replicas,
@@ -203,24 +205,24 @@ class Planner:
         return sorted(fits, key=lambda f: (f.cost_per_hour, f.cost_per_1m_output or 0.0,
                                            -min(f.attainment.values(), default=1.0)))
 
-    def headroom(self, fit: Fit, workload, steps: tuple[float, ...] = HEADROOM_STEPS) -> dict:
-        """How much slower than the model (on top of step_time_margin) `fit`'s steps can
-        run before it misses an SLO: its fleet simulated again at each of `steps` in turn,
-        up to the first that misses (see the module's note)."""
+    def step_time_headroom(self, fit: Fit, workload,
+                           steps: tuple[float, ...] = HEADROOM_STEPS) -> dict:
+        """How much slower than the step-time model (on top of step_time_margin) `fit`'s
+        steps can run before it misses an SLO: its fleet simulated again at each of
+        `steps` in turn, up to the first that misses (see the module's note)."""
         held, missed = 0.0, None
         for extra in steps:
             margin = (1 + self.step_time_margin) * (1 + extra) - 1
             summary = self.simulate(fit.cell, fit.replicas, workload, self.slo, margin)
-            shares = {} if summary is None else {
-                t: v["slo_attainment"] for t, v in summary["tiers"].items() if t in self.slo}
-            tier = min(shares, key=shares.get) if shares else None
-            if summary is not None and (tier is None or shares[tier] >= self.attainment):
+            shares = slo_shares(summary, self.slo) if summary is not None else {}
+            if summary is not None and min(shares.values(), default=1.0) >= self.attainment:
                 held = extra
                 continue
-            missed = {"slower": extra, "tier": tier,
-                      "attainment": shares[tier] if tier else None}
+            tier = min(shares, key=shares.get) if shares else None
+            missed = {"slower": extra, "tier": tier, "attainment": shares.get(tier)}
             break
-        return {"holds_at_slower": held, "misses": missed}
+        return {"margin": self.step_time_margin, "holds_at_slower": held, "misses": missed,
+                "asked": self.attainment}
 
     def fast_mode_curve(self, best: Fit, workload, fractions: list[float],
                         tpot_scales: list[float], max_replicas: int,
@@ -252,6 +254,12 @@ class Planner:
         return curve
 
 
+def slo_shares(summary: dict, slo: dict) -> dict[str, float]:
+    """Per tier with an SLO that ran in `summary`: the share of its requests within both
+    targets."""
+    return {t: v["slo_attainment"] for t, v in summary["tiers"].items() if t in slo}
+
+
 # ------------------------------------------------------------------ output
 def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
            simulations: int, top: int, skipped: dict, fmt: str = "table",
@@ -263,7 +271,7 @@ def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
                            "fits": [{**asdict(f.cell), **{k: v for k, v in asdict(f).items()
                                                           if k != "cell"}}
                                     for f in fits[:top]],
-                           "headroom": headroom, "fast_mode": curve}, indent=2)
+                           "step_time_headroom": headroom, "fast_mode": curve}, indent=2)
     lines = [f"plan {config}",
              f"{searched} configurations searched in {simulations} simulations; "
              f"{len(fits)} meet every SLO; the cheapest {min(top, len(fits))}:"]
@@ -277,7 +285,7 @@ def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
             for i, f in enumerate(fits[:top])]
     lines += table(head, rows)
     if headroom:
-        lines += ["", "headroom of #1: " + describe_headroom(headroom)]
+        lines += ["", "step-time headroom of #1: " + describe_headroom(headroom)]
     if curve:
         lines += ["", f"what fast mode costs, on #1 ({fits[0].cell.describe()}):", ""]
         point_head = ("replicas", "$/hour", "$/1M out", "priority $/1M")
@@ -292,18 +300,21 @@ def render(fits: list[Fit], curve: dict | None, config: str, searched: int,
 
 
 def describe_headroom(headroom: dict) -> str:
-    """Planner.headroom's result as one sentence."""
-    held, missed = headroom["holds_at_slower"], headroom["misses"]
+    """Planner.step_time_headroom's result as one sentence."""
+    held, missed, base = headroom["holds_at_slower"], headroom["misses"], headroom["margin"]
+    than = "than the step-time model" + (f" with its margin of {base:.0%}" if base else "")
     if missed is None:
-        return (f"meets every SLO with steps up to {held:.0%} slower than the profile "
-                "(the most tried)")
-    where = (f"{missed['tier']} meets {missed['attainment']:.0%}" if missed["tier"]
-             else "the KV pool cannot hold the workload")
+        return f"meets every SLO with steps up to {held:.0%} slower {than} (the most tried)"
+    if missed["tier"] is None:
+        where = "the simulated engine cannot run the workload"
+    else:
+        where = (f"the {missed['tier']} tier meets {missed['attainment']:.0%} "
+                 f"(asked {headroom['asked']:.0%})")
     if not held:
-        return (f"at its workload's knee: with steps {missed['slower']:.0%} slower than the "
-                f"profile {where}")
-    return (f"meets every SLO with steps up to {held:.0%} slower than the profile; at "
-            f"{missed['slower']:.0%} slower {where}")
+        return (f"at its workload's knee, with steps {missed['slower']:.0%} slower {than} "
+                f"{where}")
+    return (f"meets every SLO with steps up to {held:.0%} slower {than}; "
+            f"{missed['slower']:.0%} slower, {where}")
 
 
 def _point(p: dict) -> tuple[str, str, str, str]:
