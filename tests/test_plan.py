@@ -199,7 +199,7 @@ def test_a_plans_step_time_headroom_is_how_much_slower_its_steps_can_run(tmp_pat
     assert describe_headroom({**room, "holds_at_slower": 0.0, "misses": {
         "slower": 0.05, "tier": None, "attainment": None}}) == (
         "at its workload's knee, with steps 5% slower than the step-time model with its "
-        "margin of 20% the simulated engine cannot run the workload")
+        "margin of 20%: the simulated engine cannot run the workload")
 
 
 def test_plan_says_so_when_nothing_meets_the_slos():

@@ -17,10 +17,10 @@ configuration on the same arrivals, and both are summarized by the same report c
    `sim.report.summarize` reads both runs.
 
 Prints the plan's step-time headroom (how much slower than the profile its steps can run
-before it misses an SLO, `Planner.step_time_headroom`); per configuration run, predicted and measured SLO
-attainment per tier (points apart), machine cost per 1K output tokens (relative error) and
-the run's steps over the profile's prediction (median: how far the machine moved since the
-calibration); then one summary line.
+before it misses an SLO, `Planner.step_time_headroom`); per configuration run, predicted
+and measured SLO attainment per tier (points apart), machine cost per 1K output tokens
+(relative error) and the run's steps over the profile's prediction (median: how far the
+machine moved since the calibration); then one summary line.
 The run is the in-process engine: the time an HTTP server adds is not in either side.
 """
 

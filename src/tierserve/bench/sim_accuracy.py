@@ -181,11 +181,11 @@ def _one_round(args, engine, policy: str, rate: float, arrivals: list, slo: dict
           + _compare(fr, fs, errors)
           + (f" | engine's measured/predicted step ratio {ratio:.2f}" if ratio else ""),
           flush=True)
-    if measured_steps:
+    moved = step_drift(whole, measured_steps) if measured_steps else float("nan")
+    if moved == moved:   # (NaN: no step to read it from)
         # a diagnostic only, not a prediction (the drift is read off the run itself): the
         # twin again with its steps scaled by the median of the run's measured/predicted,
         # which leaves what the twin's scheduling and queueing get wrong
-        moved = step_drift(whole, measured_steps)
         print(f"sim_accuracy policy={policy} rate={rate:g} drift taken out (the run's steps "
               f"{moved:.2f}x the model, median; engine/sim, abs error) | "
               + _compare(fr, _twin(engine, model, whole.scaled(moved), arrivals, slo),

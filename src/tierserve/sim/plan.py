@@ -311,7 +311,7 @@ def describe_headroom(headroom: dict) -> str:
         where = (f"the {missed['tier']} tier meets {missed['attainment']:.0%} "
                  f"(asked {headroom['asked']:.0%})")
     if not held:
-        return (f"at its workload's knee, with steps {missed['slower']:.0%} slower {than} "
+        return (f"at its workload's knee, with steps {missed['slower']:.0%} slower {than}: "
                 f"{where}")
     return (f"meets every SLO with steps up to {held:.0%} slower {than}; "
             f"{missed['slower']:.0%} slower, {where}")
