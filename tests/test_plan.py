@@ -219,6 +219,7 @@ def test_plan_and_sim_command_lines(capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["fits"][0]["hardware"] == "h100-sxm"
     room = out["step_time_headroom"]
+    assert room["margin"] == 0 and room["asked"] == 0.9
     assert room["holds_at_slower"] in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
     assert len(out["fast_mode"]["by_priority_fraction"]) == 2
     assert main(["plan", "--workload", PLAN_WORKLOAD, "--slo", "priority=0.2,0.05",

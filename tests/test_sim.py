@@ -1,5 +1,6 @@
 """The simulator: determinism, the same decisions as the engine, costs that add up."""
 
+import math
 from collections import Counter
 
 import pytest
@@ -251,6 +252,20 @@ def test_sim_accuracy_sorts_steps_by_kind_and_reports_the_models_error_per_kind(
     line = step_residuals(model, steps)
     assert "decode x1 n=3" in line and "measured/predicted=1.00 (median 1.00)" in line
     assert "mixed x1 n=1" in line and "measured/predicted=2.00 (median 2.00)" in line
+
+
+def test_a_runs_step_drift_is_the_median_of_its_steps_over_the_model():
+    """How far a run's steps moved from the model (plan_check, sim-accuracy, fleet_twin):
+    the median ratio, so one slow step does not move it; NaN with nothing to read."""
+    from tierserve.bench.tiers import step_drift
+
+    model = StepTimeModel(0.01, 0.0, 0.001)
+    lone = model.predict_s([(1, 10)])
+    steps = [([(1, 10)], 1.1 * lone)] * 3 + [([(1, 10)], 9 * lone)]
+    assert step_drift(model, steps) == pytest.approx(1.1)
+    assert step_drift(model.scaled(2), steps) == pytest.approx(0.55)
+    assert math.isnan(step_drift(model, []))
+    assert math.isnan(step_drift(StepTimeModel(0.0, 0.0, 0.0), steps))   # nothing predicted
 
 
 def test_sim_accuracy_rounds_compare_cell_by_cell_medians():

@@ -154,7 +154,7 @@ def run(args) -> None:
                   + f" | cost per 1K output predicted ${pc:.5f} measured ${mc:.5f} "
                   f"({abs(pc - mc) / mc:.0%}) | makespan predicted {predicted['makespan_s']:.1f}"
                   f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s) | the run's "
-                  f"steps {drift:.2f}x the profile (median)", flush=True)
+                  f"steps {_ratio(drift)} the profile (median)", flush=True)
     base = 1 + args.step_time_margin   # the headroom is on top of the margin
     held = base * (1 + headroom["holds_at_slower"])
     miss = base * (1 + headroom["misses"]["slower"]) if headroom["misses"] else None
@@ -169,7 +169,11 @@ def run(args) -> None:
           + f" in its worst SLO tier (asked {args.attainment:.0%}); it met every SLO in the "
           f"twin with steps up to {held:.2f}x the profile"
           + (f", missed at {miss:.2f}x" if miss else "") + "; its run's steps were "
-          + (f"{moved:.2f}x" if moved is not None else "-"), flush=True)
+          + _ratio(moved), flush=True)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.2f}x"
 
 
 def _ms(seconds: float | None) -> str:

@@ -120,8 +120,9 @@ def run(args) -> None:
              f", attainment at most {max(errors['pooled_points'], default=0):.0f} points apart"
              f"; the rounds' engines pair by pair: {_median(errors['rounds_floor']):.0%}"
              if args.repeats > 1 else "")
-          + (f"; with each run's drift taken out (a diagnostic read off the run, not a "
-             f"prediction): {_median(errors['drift_out']):.1%}" if errors["drift_out"] else ""),
+          + (f"; per round as the first figure, with each run's drift taken out (a "
+             f"diagnostic read off the run, not a prediction): "
+             f"{_median(errors['drift_out']):.1%}" if errors["drift_out"] else ""),
           flush=True)
 
 
