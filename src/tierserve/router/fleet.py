@@ -373,8 +373,8 @@ class FleetBackend:
         self.accounting.left(req.stats, now)
         self.gateway.finished(req.pending, now)
         self.gateway.sent(req.pending, target, now)
-        if self._shared is not None and req.pending.tier != Tier.PRIORITY \
-                and not target.protects:  # its row rises with it, as after a grant
+        if self._shared is not None and target.limits(req.pending.tier):
+            # its row rises with it, as after a grant
             try:
                 self._shared.raise_lower(self.specs[name].url, target.lower_in_flight)
             except Exception as exc:

@@ -156,6 +156,11 @@ class ReplicaState:
     def takes(self, tier: Tier) -> bool:
         return self.healthy and (self.tiers is None or tier.label in self.tiers)
 
+    def limits(self, tier: Tier) -> bool:
+        """Whether a request of `tier` here counts against its lower-tier limit (shared
+        with the other gateways where there are some)."""
+        return tier != Tier.PRIORITY and not self.protects
+
 
 def prefix_keys(tokens_or_text) -> list[int]:
     """Cumulative hashes of the leading PREFIX_BLOCK-sized blocks of a prompt."""
@@ -221,7 +226,7 @@ class Gateway:
             while queue:
                 request = queue[0]
                 replica = self.pick(request, lower=tier != Tier.PRIORITY)
-                if replica is not None and tier != Tier.PRIORITY and not replica.protects \
+                if replica is not None and replica.limits(tier) \
                         and self.acquire is not None and not self.acquire(replica):
                     replica = None  # the shared limit is full: as if this one were
                 if replica is None:
