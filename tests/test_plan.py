@@ -2,6 +2,7 @@
 sim/plan.py): small workloads on a fake step-time model or the datasheet rooflines."""
 
 import json
+import re
 
 import pytest
 
@@ -208,6 +209,7 @@ def test_plan_says_so_when_nothing_meets_the_slos():
         planner.search(make_workload(PLAN_WORKLOAD), ["l4"], ["shared"], [16], [2048],
                        max_replicas=2)
     assert "\n" not in str(info.value) and "closest: l4 shared" in str(info.value)
+    assert re.search(r"where the priority tier meets its SLO at \d+%", str(info.value))
 
 
 def test_plan_and_sim_command_lines(capsys):

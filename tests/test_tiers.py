@@ -440,20 +440,41 @@ def test_higher_tier_cached_blocks_are_evicted_last():
     bm.check_invariants()
 
 
+STEP_SHAPES = ([(1, 100)] * 4, [(1, 300)] * 16, [(64, 64)], [(256, 512)], [(1, 50)],
+               [(1, 900)] * 64, [(30, 200), (1, 400)], [(128, 128)] * 2, [(1, 20)] * 32,
+               [(16, 16)] * 3 + [(1, 64)] * 2)
+
+
 def test_step_time_model_fit_recovers_its_coefficients():
     true = StepTimeModel(fixed_s=0.012, per_seq_s=0.0004, per_token_s=0.00011,
                          per_kv_token_s=3e-6, per_pair_s=2e-8, per_chunk_s=0.006)
-    steps = []
-    for seqs in ([(1, 100)] * 4, [(1, 300)] * 16, [(64, 64)], [(256, 512)], [(1, 50)],
-                 [(1, 900)] * 64, [(30, 200), (1, 400)], [(128, 128)] * 2, [(1, 20)] * 32,
-                 [(16, 16)] * 3 + [(1, 64)] * 2):
-        steps.append((seqs, true.predict_s(seqs)))
+    steps = [(seqs, true.predict_s(seqs)) for seqs in STEP_SHAPES]
     for relative in (False, True):
         fit = StepTimeModel.fit(steps, relative=relative)
         for name in FEATURES:
             a, b = getattr(fit, name), getattr(true, name)
             assert abs(a - b) <= 1e-6 * max(b, 1e-3), (name, relative)
     assert StepTimeModel.fit(steps, relative=True, chunk_term=False).per_chunk_s == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.8, 2.0), min_size=len(STEP_SHAPES), max_size=len(STEP_SHAPES)))
+def test_a_centred_step_time_model_predicts_the_mean_step(noise):
+    """A fit in relative error sits below the mean of noisy steps; centred, the measured
+    steps take 1.0x its prediction on average (what a simulator replaying predicted steps
+    needs), its coefficients in the same proportions; exact steps change nothing."""
+    true = StepTimeModel(0.012, 0.0004, 0.00011, 3e-6, 2e-8, 0.006)
+    steps = [(seqs, true.predict_s(seqs) * k) for seqs, k in zip(STEP_SHAPES, noise)]
+    fit = StepTimeModel.fit(steps, relative=True)
+    centred = fit.centred(steps)
+    ratios = [d / centred.predict_s(seqs) for seqs, d in steps]
+    assert sum(ratios) / len(ratios) == pytest.approx(1.0, rel=1e-9)
+    factor = centred.fixed_s / fit.fixed_s
+    for name in FEATURES:
+        assert getattr(centred, name) == pytest.approx(getattr(fit, name) * factor, rel=1e-9)
+    exact = [(seqs, true.predict_s(seqs)) for seqs in STEP_SHAPES]
+    assert StepTimeModel.fit(exact, relative=True).centred(exact).fixed_s == \
+        pytest.approx(true.fixed_s, rel=1e-6)
 
 
 def test_a_step_time_profile_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):

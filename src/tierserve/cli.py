@@ -312,8 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "instead of writing --out; kept if already there")
     cal.add_argument("--whole-step", action="store_true",
                      help="time whole engine steps (scheduling and outputs too), for "
-                          "`tierserve sim --step-time-profile`; default: the forward pass, "
-                          "as the engine's step-time cap uses")
+                          "`tierserve sim --step-time-profile`, scaled to the grid's mean "
+                          "step; default: the forward pass, as the engine's step-time cap "
+                          "uses")
     cal.add_argument("--backend", metavar="URL", default=None,
                      help="time a running replica (vLLM or tierserve) through its API "
                           "instead of an engine here: streamed prefills and decode batches, "

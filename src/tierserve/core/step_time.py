@@ -29,12 +29,11 @@ NOTE: the model
 
     The coefficients are fitted by least squares to measured steps (`fit`), which is what a
     calibration run does on the engine at hand (`tierserve calibrate`). In absolute error
-    (the engine's cap model) the few long prefills decide the fit; in relative error
-    (`relative=True`, the simulator's whole-step model) each residual is divided by its
-    step's time, so a 25 ms decode step weighs as much as a 300 ms prefill: on a 2-core
-    EPYC the absolute fit put small decode steps, which make up TPOT, at half their time.
-    The engine keeps the absolute fit: with the relative one its cap shrank and default
-    TTFT at 1 req/s went from 0.8 to 1.5 s (docs/benchmarks.md). No torch here: the
+    the few long prefills decide the fit; in relative error (`relative=True`, what a
+    calibration fits, engine/calibrate.py) each residual is divided by its step's time,
+    so a 25 ms decode step weighs as much as a 300 ms prefill: on a 2-core EPYC the
+    absolute fit put small decode steps, which make up TPOT, at half their time. The
+    simulator's whole-step model is then `centred` on its steps. No torch here: the
     scheduler uses the model to cap a step's budget, and the simulator predicts with it.
 """
 
@@ -87,6 +86,17 @@ class StepTimeModel:
     def scaled(self, factor: float) -> "StepTimeModel":
         """Every step `factor` times as long (each coefficient scaled: the model is linear)."""
         return StepTimeModel(*(getattr(self, f) * factor for f in FEATURES))
+
+    def centred(self, steps: list[tuple[list[tuple[int, int]], float]]) -> "StepTimeModel":
+        """This model scaled so that measured `steps` ([(num_tokens, context_len)...],
+        seconds) take on average 1.0x their prediction: the expected time of a step of
+        that shape, which is what a simulator replaying steps at their predicted time
+        needs (see the note on the fit in engine/calibrate.py). Unchanged where no step
+        has a positive prediction."""
+        ratios = [d / q for seqs, d in steps if (q := self.predict_s(seqs)) > 0]
+        if not ratios:
+            return self
+        return self.scaled(sum(ratios) / len(ratios))
 
     def summary(self) -> str:
         """The coefficients in the units a person reads, and a lone decode step."""

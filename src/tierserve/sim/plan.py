@@ -161,7 +161,10 @@ class Planner:
                            summary["bill"]["cost_per_1m_output"], shares,
                            summary["tiers"].get("priority", {}).get("cost_per_1m_output"))
             if worst > self.best_miss[0]:
-                self.best_miss = (worst, f"{cell.describe()} x{replicas}")
+                where = f"{cell.describe()} x{replicas}"
+                if shares:   # the tier that binds there
+                    where += f", where the {min(shares, key=shares.get)} tier meets its SLO"
+                self.best_miss = (worst, where)
         return None
 
     # ---------------------------------------------------------------- search
