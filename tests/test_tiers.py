@@ -472,6 +472,9 @@ def test_a_centred_step_time_model_predicts_the_mean_step(noise):
     factor = centred.fixed_s / fit.fixed_s
     for name in FEATURES:
         assert getattr(centred, name) == pytest.approx(getattr(fit, name) * factor, rel=1e-9)
+    broken = steps + [(STEP_SHAPES[0], 0.0), (STEP_SHAPES[1], float("nan"))]
+    assert fit.centred(broken) == centred   # steps that took no time are left out, as in fit
+    assert fit.centred([]) == fit
     exact = [(seqs, true.predict_s(seqs)) for seqs in STEP_SHAPES]
     assert StepTimeModel.fit(exact, relative=True).centred(exact).fixed_s == \
         pytest.approx(true.fixed_s, rel=1e-6)

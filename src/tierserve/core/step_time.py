@@ -92,8 +92,9 @@ class StepTimeModel:
         seconds) take on average 1.0x their prediction: the expected time of a step of
         that shape, which is what a simulator replaying steps at their predicted time
         needs (see the note on the fit in engine/calibrate.py). Unchanged where no step
-        has a positive prediction."""
-        ratios = [d / q for seqs, d in steps if (q := self.predict_s(seqs)) > 0]
+        has a positive, finite time and a positive prediction."""
+        ratios = [d / q for seqs, d in steps   # as `fit`, only steps that took time
+                  if 0 < d < math.inf and (q := self.predict_s(seqs)) > 0]
         if not ratios:
             return self
         return self.scaled(sum(ratios) / len(ratios))

@@ -14,7 +14,8 @@ NOTE: how
                                        all b streams are decoding (after the last one's
                                        first token; then each hangs up after a few more)
 
-    and fits the model in relative error, as the simulator's whole-step model is fitted.
+    and fits the model in relative error, as the simulator's whole-step model is fitted
+    (not yet centred on its mean step as that one is: engine/calibrate.py's note).
     What the client sees includes the replica's HTTP and detokenizing time, which is what
     a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
     runs it).
