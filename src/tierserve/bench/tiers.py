@@ -168,7 +168,7 @@ def step_drift(model, steps: list[tuple[list[tuple[int, int]], float]]) -> float
     so one slow step does not move it; against a model centred on its mean step
     (StepTimeModel.centred) right-skewed steps read a little under 1.0 (0.95-1.01 on a
     2-core Zen 3's calibration grid, eight calibrations)."""
-    ratios = [d / q for seqs, d in steps if (q := model.predict_s(seqs)) > 0]
+    ratios = model.ratios(steps)
     return statistics.median(ratios) if ratios else float("nan")
 
 

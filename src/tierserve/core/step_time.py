@@ -87,14 +87,20 @@ class StepTimeModel:
         """Every step `factor` times as long (each coefficient scaled: the model is linear)."""
         return StepTimeModel(*(getattr(self, f) * factor for f in FEATURES))
 
+    def ratios(self, steps: list[tuple[list[tuple[int, int]], float]]) -> list[float]:
+        """Each measured step's ([(num_tokens, context_len)...], seconds) time over this
+        model's prediction; as `fit`, only steps that took a positive, finite time, and
+        only where the prediction is positive."""
+        return [d / q for seqs, d in steps
+                if 0 < d < math.inf and (q := self.predict_s(seqs)) > 0]
+
     def centred(self, steps: list[tuple[list[tuple[int, int]], float]]) -> "StepTimeModel":
         """This model scaled so that measured `steps` ([(num_tokens, context_len)...],
         seconds) take on average 1.0x their prediction: the expected time of a step of
         that shape, which is what a simulator replaying steps at their predicted time
         needs (see the note on the fit in engine/calibrate.py). Unchanged where no step
         has a positive, finite time and a positive prediction."""
-        ratios = [d / q for seqs, d in steps   # as `fit`, only steps that took time
-                  if 0 < d < math.inf and (q := self.predict_s(seqs)) > 0]
+        ratios = self.ratios(steps)
         if not ratios:
             return self
         return self.scaled(sum(ratios) / len(ratios))
