@@ -33,8 +33,7 @@ and checks:
 Code that does not hold an invariant yet shows up as broken. Prints per round what broke,
 then one line: config, rounds, rounds with an invariant broken.
 
-About 400 lines, kept whole: the four kill moments and the four checks read best beside
-each other; what it shares with the soak (the server, the client) is in bench/loopback.py.
+What it shares with the soak (the server, the client) is in bench/loopback.py.
 """
 
 import argparse
