@@ -275,10 +275,12 @@ def test_sim_accuracy_rounds_compare_cell_by_cell_medians():
 
     def fig(tok_s, ttft, tpot, flex=True):
         cells = {k: (ttft if k.startswith("ttft") else tpot) for k in CELLS}
-        out = {"tok_s": tok_s, "priority": {**cells, "attainment": 1.0}}
+        out = {"tok_s": tok_s, "priority": {**cells, "attainment": 1.0,
+                                            "attainment_slow": 1.0, "attainment_fast": 1.0}}
         if flex:
             out["flex"] = {**{k: 2 * ttft for k in CELLS}, "tpot_p50": None,
-                           "attainment": 0.5}
+                           "attainment": 0.5, "attainment_slow": 0.5,
+                           "attainment_fast": 0.5}
         return out
 
     engines = _cellwise_median([fig(10, 0.1, 0.03), fig(30, 0.3, 0.01),
@@ -391,3 +393,22 @@ def test_a_replicas_way_in_lengthens_ttft_and_end_to_end_by_itself_not_tpot(tmp_
     result = sim.run([SimRequest(0.0, "default", 100, 10), SimRequest(0.0, "default", 100, 10)])
     assert [len(r.request_ids) for r in result.replicas] == [1, 1]
     assert len(result.requests) == 2
+
+
+def test_sim_accuracy_says_how_far_five_percent_moves_the_engines_attainment():
+    """Attainment points apart read beside the engine's own attainment with every time 5%
+    longer and shorter: where an SLO sits among the tier's times, a twin 5% off cannot
+    come within 5 points, and the line says so."""
+    from tierserve.bench.sim_accuracy import _compare, figures
+
+    rows = [{"tier": "priority", "ttft_s": 0.1, "tpot_s": t, "output_tokens": 10}
+            for t in (0.048, 0.049, 0.051, 0.06)]
+    real = figures(rows, 1.0, {"priority": (0.5, 0.05)})["priority"]
+    assert (real["attainment"], real["attainment_slow"], real["attainment_fast"]) == (
+        0.5, 0.0, 0.75)
+    twin = figures([{**r, "tpot_s": r["tpot_s"] * 1.03} for r in rows], 1.0,
+                   {"priority": (0.5, 0.05)})
+    errors = {"points": [], "edge": []}
+    line = _compare({"tok_s": 40.0, "priority": real}, twin, errors)
+    assert "attainment 50%/25% (the engine's with times 5% longer / shorter: 0% / 75%)" in line
+    assert errors["points"] == [25.0] and errors["edge"] == [50.0]
