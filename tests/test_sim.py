@@ -254,16 +254,21 @@ def test_sim_accuracy_sorts_steps_by_kind_and_reports_the_models_error_per_kind(
     assert "mixed x1 n=1" in line and "measured/predicted=2.00 (median 2.00)" in line
 
 
-def test_a_runs_step_drift_is_the_median_of_its_steps_over_the_model():
+def test_a_runs_step_drift_is_the_mean_of_its_steps_over_the_model():
     """How far a run's steps moved from the model (plan_check, sim-accuracy, fleet_twin):
-    the median ratio, so one slow step does not move it; NaN with nothing to read."""
+    the mean ratio, the statistic a whole-step model is centred on, so right-skewed steps
+    read 1.0 against a model centred on them (their median would read under it) and 10%
+    slower steps 1.1; NaN with nothing to read."""
     from tierserve.bench.tiers import step_drift
 
     model = StepTimeModel(0.01, 0.0, 0.001)
     lone = model.predict_s([(1, 10)])
-    steps = [([(1, 10)], 1.1 * lone)] * 3 + [([(1, 10)], 9 * lone)]
-    assert step_drift(model, steps) == pytest.approx(1.1)
-    assert step_drift(model.scaled(2), steps) == pytest.approx(0.55)
+    steps = [([(1, 10)], 1.1 * lone)] * 3 + [([(1, 10)], 3.5 * lone)]
+    assert step_drift(model, steps) == pytest.approx(1.7)
+    assert step_drift(model.scaled(2), steps) == pytest.approx(0.85)
+    centred = model.centred(steps)
+    assert step_drift(centred, steps) == pytest.approx(1.0)
+    assert step_drift(centred, [(seqs, 1.1 * t) for seqs, t in steps]) == pytest.approx(1.1)
     assert math.isnan(step_drift(model, []))
     assert math.isnan(step_drift(StepTimeModel(0.0, 0.0, 0.0), steps))   # nothing predicted
 

@@ -50,7 +50,7 @@ a client through a gateway.
 
 NOTE: drift. The machine moves between the profile's draw and the timed one (a shared
 VM: the same one-core replica's lone decode ran 6.1 ms in one run's profile and 7.4-8.0
-in another's). From its steps, the benchmark prints how far: per replica, the median of
+in another's). From its steps, the benchmark prints how far: per replica, the mean of
 the timed run's steps over the profile's prediction. A twin is no closer than that.
 
 Why one file of about 520 lines: the fleets, their profiles and the checks on the run
@@ -324,7 +324,7 @@ def _last_step(spec: dict) -> int:
 
 
 def drift(specs: list[dict]) -> list[float]:
-    """Per replica, the median over the steps it ran since `spec["timed"]` (the timed
+    """Per replica, the mean over the steps it ran since `spec["timed"]` (the timed
     replay's) of each step's time over what its profile predicts: how far the machine
     moved between the profile's draw and the timed one, which no twin can follow."""
     out = []
@@ -447,7 +447,7 @@ def run(args) -> None:
         report(name, real, figures(sim_rows, sim_wall), args, note)
         if moved and all(m > 0 for m in moved):   # (NaN: a replica ran no step)
             print("fleet_twin drift: the timed run's steps over the profile's prediction, "
-                  "median per replica: " + ", ".join(f"{m:.2f}" for m in moved), flush=True)
+                  "mean per replica: " + ", ".join(f"{m:.2f}" for m in moved), flush=True)
             # a diagnostic only (the drift is read off the timed run): the twin's own
             # error, the machine's move between the draws taken out
             steady = [{**s, "model": s["model"].scaled(m)} for s, m in zip(specs, moved)]

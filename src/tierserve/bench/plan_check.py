@@ -19,7 +19,7 @@ configuration on the same arrivals, and both are summarized by the same report c
 Prints the plan's step-time headroom (how much slower than the profile its steps can run
 before it misses an SLO, `Planner.step_time_headroom`); per configuration run, predicted
 and measured SLO attainment per tier (points apart), machine cost per 1K output tokens
-(relative error) and the run's steps over the profile's prediction (median: how far the
+(relative error) and the run's steps over the profile's prediction (mean: how far the
 machine moved since the calibration); then one summary line.
 The run is the in-process engine: the time an HTTP server adds is not in either side.
 """
@@ -65,7 +65,7 @@ def calibrate_profile(quantization: str | None, path: str) -> None:
 
 def run_real(cell, slo: dict, arrivals, quantization, price: float, model):
     """The configuration `cell` on the engine, the arrivals in real time: a SimResult, so
-    the planner's own summary reads it; the wall time; and the median of the run's steps
+    the planner's own summary reads it; the wall time; and the mean of the run's steps
     over what `model` predicts for them (how far the machine moved from the profile)."""
     from tierserve.bench.tiers import run_open_loop, step_drift
     from tierserve.engine.llm_engine import LLMEngine
@@ -154,7 +154,7 @@ def run(args) -> None:
                   + f" | cost per 1K output predicted ${pc:.5f} measured ${mc:.5f} "
                   f"({abs(pc - mc) / mc:.0%}) | makespan predicted {predicted['makespan_s']:.1f}"
                   f" s measured {measured['makespan_s']:.1f} s (wall {wall:.0f} s) | the run's "
-                  f"steps {_ratio(drift)} the profile (median)", flush=True)
+                  f"steps {_ratio(drift)} the profile (mean)", flush=True)
     base = 1 + args.step_time_margin   # the headroom is on top of the margin
     held = base * (1 + headroom["holds_at_slower"])
     miss = base * (1 + headroom["misses"]["slower"]) if headroom["misses"] else None

@@ -31,7 +31,7 @@ engine against itself across calibrations and minutes, beside --floor's back-to-
 runs. One round is a sample of the machine; a twin predicts what it does on average.
 
 NOTE: drift taken out. With `--steps` each round also runs the twin with its step times
-scaled by the median of the run's own steps over the whole-step model's prediction (as
+scaled by the mean of the run's own steps over the whole-step model's prediction (as
 benchmarks/fleet_twin.py does per replica). That factor is read off the run, so the line
 is a diagnostic, not a prediction: what is left is what the twin's scheduling, queueing
 and step shapes get wrong, with the machine's move since the calibration taken out.
@@ -197,10 +197,10 @@ def _one_round(args, engine, policy: str, rate: float, arrivals: list, slo: dict
     moved = step_drift(whole, measured_steps) if measured_steps else float("nan")
     if moved == moved:   # (NaN: no step to read it from)
         # a diagnostic only, not a prediction (the drift is read off the run itself): the
-        # twin again with its steps scaled by the median of the run's measured/predicted,
+        # twin again with its steps scaled by the mean of the run's measured/predicted,
         # which leaves what the twin's scheduling and queueing get wrong
         print(f"sim_accuracy policy={policy} rate={rate:g} drift taken out (the run's steps "
-              f"{moved:.2f}x the model, median; engine/sim, abs error) | "
+              f"{moved:.2f}x the model, mean; engine/sim, abs error) | "
               + _compare(fr, _twin(engine, model, whole.scaled(moved), arrivals, slo),
                          {"headline": errors["drift_out"]}), flush=True)
     return fr, fs

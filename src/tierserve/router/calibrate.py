@@ -14,8 +14,10 @@ NOTE: how
                                        all b streams are decoding (after the last one's
                                        first token; then each hangs up after a few more)
 
-    and fits the model in relative error, as the simulator's whole-step model is fitted
-    (not yet centred on its mean step as that one is: engine/calibrate.py's note).
+    and fits the model in relative error, then centres it on its records' mean step, as
+    the simulator's whole-step model is (engine/calibrate.py's note: the simulator
+    replays each step at its prediction, and a fit in relative error sits below the mean
+    of right-skewed steps). A step-record fit (`--from-steps`) is centred the same way.
     What the client sees includes the replica's HTTP and detokenizing time, which is what
     a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
     runs it).
@@ -212,9 +214,10 @@ def calibrate_backend(url: str, model: str | None = None, repeats: int = 2,
 
 
 def _fit(records: list, info: dict, chunk_term: bool) -> tuple[StepTimeModel, dict]:
-    """The model fitted in relative error, and `info` with the records' count and its
-    median error on them."""
-    model_fit = StepTimeModel.fit(records, relative=True, chunk_term=chunk_term)
+    """The model fitted in relative error and centred on the records' mean step (see the
+    note), and `info` with the records' count and its median error on them."""
+    model_fit = StepTimeModel.fit(records, relative=True,
+                                  chunk_term=chunk_term).centred(records)
     errors = [abs(model_fit.predict_s(seqs) - s) / s for seqs, s in records]
     info.update(records=len(records), median_error=statistics.median(errors))
     return model_fit, info
