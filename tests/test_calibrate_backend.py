@@ -128,10 +128,6 @@ def test_a_replica_is_fitted_from_the_steps_it_recorded_while_serving(tmp_path):
         said = []
         model, info = calibrate_from_steps(srv.url, say=said.append)
         assert info["records"] == len(data) and info["kind"] == "tierserve"
-        # centred: the simulator replays each step at its prediction, so the recorded
-        # steps take 1.0x the model on average (a fit in relative error sits below that)
-        ratios = model.ratios([([tuple(q) for q in r["seqs"]], r["seconds"]) for r in data])
-        assert sum(ratios) / len(ratios) == pytest.approx(1.0)
         # then one-token probes of the idle replica: the way in outside its steps
         assert 0 <= info["way_in_s"] < 0.5, said
         assert any("the way in" in line and "median of 8 probes" in line for line in said)

@@ -8,8 +8,9 @@ rates, a tier mix, other lengths than the grid) run through the engine and, with
 arrivals, lengths and tiers, through the simulator using its model. For each policy and
 rate, per tier: TTFT p50/p90/p99, TPOT p50/p99 and SLO attainment of both, and total
 throughput; one line per rate with the absolute percentage errors (attainment: points,
-beside the engine's own with every time 5% longer and shorter: see EDGE). The headline median is over TTFT p50, p90 and TPOT p50 (comparable with earlier runs);
-a second one takes the p99s in too.
+beside the engine's own with every time 5% longer and shorter: see EDGE). The headline
+median is over TTFT p50, p90 and TPOT p50 (comparable with earlier runs); a second one
+takes the p99s in too.
 
 NOTE: when the twin is calibrated. Right before each rate's run, as a user would run
 `tierserve calibrate` before `sim`: on a 2-core Zen 5 VM the same calibration predicted a
@@ -116,7 +117,8 @@ def run(args) -> None:
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1 (got {args.repeats})")
     errors = {"headline": [], "all": [], "points": [], "floor": [], "pooled": [],
-              "pooled_all": [], "pooled_points": [], "rounds_floor": [], "drift_out": [], "edge": []}
+              "pooled_all": [], "pooled_points": [], "rounds_floor": [], "drift_out": [],
+              "edge": []}
     for policy in parse_list(args.policies, str, "--policies"):
         _one_policy(args, policy, slo, errors)
     print(f"sim_accuracy policies={args.policies} rates={args.rates} median absolute error "
