@@ -21,7 +21,8 @@ NOTE: how
     benchmarks/fleet_twin.py (two one-core replicas, 0.75 req/s) the centred profiles
     put the twin at 5.0, 10.5 and 21.9% median error against 7.8, 4.3 and 11.5%
     uncentred: in the last two, the timed replays' steps ran 0.80-0.86x the profile
-    draw's on average (a fresh replica's first traffic is slower, perhaps), and the
+    draw's on average (the machine wandering between the draws: one engine's three
+    draws in a row ran 1.11, 0.99 and 1.06x one fit, not slowest at first), and the
     centring carried the draw's slow steps into the profile.
     What the client sees includes the replica's HTTP and detokenizing time, which is what
     a request's TTFT and TPOT include too. Plain Python over httpx: no torch (a gateway
