@@ -166,15 +166,14 @@ def step_drift(model, steps: list[tuple[list[tuple[int, int]], float]]) -> float
     one's time over what `model` predicts for it: how far the machine (or the workload's
     shapes) moved from the model. NaN where no step has a positive prediction.
 
-    The mean, the statistic a whole-step model is centred on (StepTimeModel.centred), so
+    The mean (StepTimeModel.mean_ratio), what a whole-step model is centred on, so
     a run on a machine that held still reads 1.0, and a twin scaled by it is centred on
     the run's steps. Until the forty-sixth session it was the median, which against a
     centred model reads under 1.0 where steps are right-skewed: 0.93-0.94 on two one-core
     replicas' steps under load (2-core Zen 3), and the twin scaled by it then ran fast.
     A stall moves a mean: over the hundreds of steps a run has, one step 1 s long where
     steps take 50 ms moves it by a few percent."""
-    ratios = model.ratios(steps)
-    return statistics.fmean(ratios) if ratios else float("nan")
+    return model.mean_ratio(steps)
 
 
 def calibrate_and_idle(engine, spec: dict) -> dict:

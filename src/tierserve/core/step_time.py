@@ -87,12 +87,14 @@ class StepTimeModel:
         """Every step `factor` times as long (each coefficient scaled: the model is linear)."""
         return StepTimeModel(*(getattr(self, f) * factor for f in FEATURES))
 
-    def ratios(self, steps: list[tuple[list[tuple[int, int]], float]]) -> list[float]:
-        """Each measured step's ([(num_tokens, context_len)...], seconds) time over this
-        model's prediction; as `fit`, only steps that took a positive, finite time, and
-        only where the prediction is positive."""
-        return [d / q for seqs, d in steps
-                if 0 < d < math.inf and (q := self.predict_s(seqs)) > 0]
+    def mean_ratio(self, steps: list[tuple[list[tuple[int, int]], float]]) -> float:
+        """The mean of each measured step's ([(num_tokens, context_len)...], seconds) time
+        over this model's prediction; as `fit`, only steps that took a positive, finite
+        time, and only where the prediction is positive (NaN where none is left). What
+        `centred` scales by, and how far a run moved from the model (bench/tiers.py)."""
+        ratios = [d / q for seqs, d in steps
+                  if 0 < d < math.inf and (q := self.predict_s(seqs)) > 0]
+        return sum(ratios) / len(ratios) if ratios else math.nan
 
     def centred(self, steps: list[tuple[list[tuple[int, int]], float]]) -> "StepTimeModel":
         """This model scaled so that measured `steps` ([(num_tokens, context_len)...],
@@ -100,10 +102,8 @@ class StepTimeModel:
         that shape, which is what a simulator replaying steps at their predicted time
         needs (see the note on the fit in engine/calibrate.py). Unchanged where no step
         has a positive, finite time and a positive prediction."""
-        ratios = self.ratios(steps)
-        if not ratios:
-            return self
-        return self.scaled(sum(ratios) / len(ratios))
+        factor = self.mean_ratio(steps)
+        return self if math.isnan(factor) else self.scaled(factor)
 
     def summary(self) -> str:
         """The coefficients in the units a person reads, and a lone decode step."""
