@@ -408,3 +408,22 @@ def test_an_int8_kv_cache_holds_nearly_twice_the_tokens_and_serves_every_kind_of
     with pytest.raises(ConfigError, match="kv-cache-dtype int8 needs the lean CPU step"):
         get_engine(dtype="bfloat16", kv_cache_memory_gb=0.25, kv_cache_dtype="int8",
                    max_num_batched_tokens=32)   # refused before any weight loads
+
+
+def test_step_parts_finds_the_lean_forwards_parts_or_says_which_it_lost(monkeypatch):
+    """benchmarks/step_parts.py times the lean forward's parts by rewriting its source at
+    fixed statements: each must still be there once, and one that is gone is named."""
+    from pathlib import Path
+
+    from conftest import load_benchmark
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    step_parts = load_benchmark("step_parts")
+    source = kernels.source()
+    timed = step_parts.instrumented(source)
+    for i in range(len(step_parts.PARTS)):   # each part's clock, once
+        assert timed.count(f"TS_PARTS[{i}] +=") == 1
+    assert 'm.def("ts_parts"' in timed
+    lost = "m = lin[3](act).contiguous();"
+    with pytest.raises(SystemExit, match=r"no longer holds `m = lin\[3\]"):
+        step_parts.instrumented(source.replace(lost, "m = lin[3](act);"))
