@@ -213,6 +213,24 @@ def head(versions: dict, engine, args, cpu: str) -> int:
     return 0
 
 
+def at_least_one(parser, args, names) -> None:
+    """Exit through `parser` with a one-line error for the first of `names` below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+
+
+def have_kernels(script: str) -> bool:
+    """Whether the C++ kernels are built here; if not, says so on stderr as `script`."""
+    from tierserve.model import kernels
+
+    if kernels.load() is None:
+        print(f"{script}: no C++ kernels here (no compiler, or TIERSERVE_NO_KERNELS)",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     os.environ["TIERSERVE_NO_DENSE_COPY"] = "1"    # see the docstring
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -230,15 +248,11 @@ def main(argv=None) -> int:
                         "paged decode attention of every layer alone, read cold; head: "
                         "the lm_head alone at --streams rows of random x")
     args = p.parse_args(argv)
-    for name in ("streams", "rounds", "calls"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+    at_least_one(p, args, ("streams", "rounds", "calls"))
     from tierserve.engine.calibrate import cpu_model
     from tierserve.model import cpu_step, kernels
 
-    if kernels.load() is None:
-        print("kernel_ab: no C++ kernels here (no compiler, or TIERSERVE_NO_KERNELS)",
-              file=sys.stderr)
+    if not have_kernels("kernel_ab"):
         return 1
     versions = {"A": build(source_at(args.rev)),
                 "B": build(kernels.source())}

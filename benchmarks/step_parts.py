@@ -27,7 +27,7 @@ import sys
 import time
 
 from decode_floor import read_gbs, weight_bytes
-from kernel_ab import build, step_inputs
+from kernel_ab import at_least_one, build, have_kernels, step_inputs
 from quant_speed import make_engine, start_decoding
 
 PARTS = ("qkv", "rope", "attention", "o", "gate_up", "down")
@@ -137,17 +137,13 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args(argv)
-    for name in ("streams", "context", "rounds", "calls"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+    at_least_one(p, args, ("streams", "context", "rounds", "calls"))
     import torch
 
     from tierserve.engine.calibrate import cpu_model
     from tierserve.model import cpu_step, kernels
 
-    if kernels.load() is None:
-        print("step_parts: no C++ kernels here (no compiler, or TIERSERVE_NO_KERNELS)",
-              file=sys.stderr)
+    if not have_kernels("step_parts"):
         return 1
     timed = build(instrumented(kernels.source()))
     engine = make_engine(args.quantization, args)
