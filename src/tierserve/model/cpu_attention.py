@@ -10,7 +10,7 @@ than twice the threads): every query head takes its scores against every context
 of its KV head, then a softmax and the weighted sum of values, all in float32. Each
 sequence is computed alone, so a sequence's output does not depend on what else is in the
 batch. A head's keys and values are short pieces of each position's row, so the kernel
-asks for them 64 positions before it reads them, into L2 (`Prefetcher`). With bfloat16
+asks for them 64 positions before it reads them (16 on AVX2), into L2 (`Prefetcher`). With bfloat16
 caches on a CPU with AVX-512 BF16 (`one_sequence_bf16`) the key dots run on the bf16
 rows directly, 16 positions at a time, and the values of two positions are summed per
 instruction with the probabilities in bfloat16: a step's cost per context token at 64 sequences fell from 0.154 to
@@ -165,7 +165,7 @@ static inline __m256 load8(const at::BFloat16* x) {   // bf16 -> float32: a shif
 
 #if defined(__AVX2__) || defined(__AVX512BF16__)
 // A cursor over a sequence's positions in a paged cache that asks for each position's head
-// slice (D values) before it is read, AHEAD positions before (walking the block table as the
+// slice (D values) before it is read, Ahead positions before (walking the block table as the
 // reads do, without a division per position). A head's keys and values are short strided
 // pieces of each position's row (128 of 384 bytes for SmolLM2) scattered over the blocks:
 // without it, at 600 tokens of context, the attention of 30 layers read its 14 MB at
@@ -175,10 +175,17 @@ static inline __m256 load8(const at::BFloat16* x) {   // bf16 -> float32: a shif
 // 0.60-0.75 of that time at 2-64 sequences (0.64 at 64 x 190 tokens; 32 or 128 ahead, or
 // the L3 hint, no better; whole rows for every head at once, worse). An L1 hint fills the
 // small L1 with lines needed only 32 positions later, probably pushing out ones in use.
+// On AVX2 (chunk_avx2, a Zen 3) 16 ahead instead (AHEAD_AVX2).
 constexpr int64_t AHEAD = 64;
+// chunk_avx2's distance. Each work item starts by asking for its first AHEAD positions at
+// once; with 64, a 2-core EPYC Zen 3 read the caches slower than with 16 at every size
+// measured (benchmarks/kernel_ab.py --part attention, 30 layers read cold, 16 against 64:
+// 0.71 at one sequence of 128 tokens, 0.96-0.97 at one of 512 or 1,024, 0.87 at 16 x 128,
+// 0.91 at 64 x 256; 8 and 32 about as good, 4 worse; docs/benchmarks.md).
+constexpr int64_t AHEAD_AVX2 = 16;
 // E: the cache's element type (bfloat16 or float32, or int8_t for the 8-bit cache, whose scales, one
 // float per position and KV head, are asked for a block at a time).
-template <int D, typename E>
+template <int D, typename E, int64_t Ahead = AHEAD>
 struct Prefetcher {
   const char* base;
   const char* scales;
@@ -189,7 +196,7 @@ struct Prefetcher {
       : base(reinterpret_cast<const char*>(cache + h * D)),
         scales(reinterpret_cast<const char*>(scales)), table(table), L(L), bs(bs),
         row_bytes(row * sizeof(E)), block_scale_bytes(bs * (row / D) * 4) {
-    for (int64_t i = 0; i < AHEAD; ++i) next();
+    for (int64_t i = 0; i < Ahead; ++i) next();
   }
   inline void next() {   // the next position: ask for it, move on
     if (t >= L) return;
@@ -465,7 +472,7 @@ static void one_sequence_i8(const at::BFloat16* q, const int8_t* kc, const int8_
 // CPUs with AVX2 but without AVX-512 BF16 (a Zen 3; an AVX-512 Xeon before Cooper Lake):
 // one_sequence's float32 sums on explicit 8-lane vectors, over a cache in q's dtype
 // (bfloat16 or float32) or the 8-bit one, in chunks of positions combined at the end
-// (run_avx2), asking for each position 64 ahead (Prefetcher). The
+// (run_avx2), asking for each position 16 ahead (Prefetcher, AHEAD_AVX2). The
 // scalar loop, without read-ahead, took a tenth of a lone 4-bit decode step at 128-928
 // tokens of context, on the calling thread two thirds of it (perf, 2-core EPYC Zen 3).
 static inline __m256 load8(const int8_t* x) {   // the 8-bit cache's values, unscaled
@@ -513,11 +520,11 @@ static void chunk_avx2(const T* q, const C* kc, const C* vc, const float* ks, co
   for (int64_t j = 0; j < g; ++j)
     for (int x = 0; x < D; ++x) qf[j][x] = to_float(q[(h * g + j) * D + x]) * scale;
   int64_t blk = 0, off = 0;
-  Prefetcher<D, C> kpf(kc, ks, table, L, bs, row, h);
+  Prefetcher<D, C, AHEAD_AVX2> kpf(kc, ks, table, L, bs, row, h);
   // the values are asked for as the keys are read: the chunk's rows are in L2 (2 x 32 KB
   // at 256 positions of 64 bf16) when the value loop reads them (0.58 -> 0.49 of the
   // scalar loop's time, measured as above at chunks of 128)
-  Prefetcher<D, C> vpf(vc, vs, table, L, bs, row, h);
+  Prefetcher<D, C, AHEAD_AVX2> vpf(vc, vs, table, L, bs, row, h);
   for (int64_t t0 = 0; t0 < L; t0 += 8) {
     const int n = static_cast<int>(std::min<int64_t>(8, L - t0));
     __m256 dots[G][8];   // [head][position]: 8-lane partial dots
