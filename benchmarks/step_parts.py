@@ -1,13 +1,15 @@
 """Where a decode step's time goes, part by part, beside the weight-read floor.
 
     python benchmarks/step_parts.py [--quantization gguf] [--streams 1] [--context 128]
-                                    [--rounds 6] [--calls 30]
+                                    [--rounds 6] [--calls 30] [--kv-cache-memory-gb 0.5]
+                                    [--block-size 16]
 
 decode_floor.py says how far a lone decode step is from the time this machine takes just
 to read its weights; this says where the rest goes. The lean step's C++ source
 (model/cpu_step.py) is built a second time with a clock read around each part of a layer
 (the four linears, RoPE with the cache store, attention; what is left of the forward is
-the norms, the activation, the allocations between them) and run on the inputs of one
+the norms, the activation, the allocations between them, and the call's own gathering of
+RoPE's cos and sin and a copy of its input) and run on the inputs of one
 engine step with `--streams` sequences in decode at about `--context` tokens. The head is
 timed as its own call. What the engine's `step()` spends outside the forward and the head
 (scheduling, inputs, sampling, detokenizing) is its time less theirs within it, on the
@@ -48,11 +50,11 @@ ANCHORS = (   # (what the lean forward says, what the instrumented build says in
      "ts_a = ts_now(); m = lin[3](act).contiguous(); TS_PARTS[5] += ts_now() - ts_a;"),
     ("PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
      "static std::vector<double> ts_parts() {\n"
-     "  std::vector<double> v(TS_PARTS, TS_PARTS + 6);\n"
+     f"  std::vector<double> v(TS_PARTS, TS_PARTS + {len(PARTS)});\n"
      "  for (double& t : TS_PARTS) t = 0;\n  return v;\n}\n"
      "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n  m.def(\"ts_parts\", &ts_parts);"),
 )
-CLOCK = ("#include <chrono>\nstatic double TS_PARTS[6];\n"
+CLOCK = (f"#include <chrono>\nstatic double TS_PARTS[{len(PARTS)}];\n"
          "static inline double ts_now() {\n  return std::chrono::duration<double>(\n"
          "      std::chrono::steady_clock::now().time_since_epoch()).count();\n}\n")
 
@@ -170,7 +172,8 @@ def main(argv=None) -> int:
 
     print(f"step_parts cpu='{cpu_model()}' machine={platform.machine()} threads="
           f"{torch.get_num_threads()} quantization={args.quantization} streams="
-          f"{args.streams} context={args.context} read_gbs={gbs:.1f} floor_ms="
+          f"{args.streams} context={args.context} rounds={args.rounds} calls={args.calls} "
+          f"block_size={args.block_size} read_gbs={gbs:.1f} floor_ms="
           f"{weights / gbs / 1e6:.2f} | ms a step: forward "
           f"{ms['forward']:.2f} [qkv {rate('qkv')}, o {rate('o')}, gate_up "
           f"{rate('gate_up')}, down {rate('down')}, rope {ms['rope']:.2f}, attention "

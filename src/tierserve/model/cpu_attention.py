@@ -175,13 +175,14 @@ static inline __m256 load8(const at::BFloat16* x) {   // bf16 -> float32: a shif
 // 0.60-0.75 of that time at 2-64 sequences (0.64 at 64 x 190 tokens; 32 or 128 ahead, or
 // the L3 hint, no better; whole rows for every head at once, worse). An L1 hint fills the
 // small L1 with lines needed only 32 positions later, probably pushing out ones in use.
-// On AVX2 (chunk_avx2, a Zen 3) 16 ahead instead (AHEAD_AVX2).
+// The AVX2 loops (chunk_avx2: a Zen 3, or an AVX-512 CPU without BF16) 16 instead.
 constexpr int64_t AHEAD = 64;
-// chunk_avx2's distance. Each work item starts by asking for its first AHEAD positions at
-// once; with 64, a 2-core EPYC Zen 3 read the caches slower than with 16 at every size
-// measured (benchmarks/kernel_ab.py --part attention, 30 layers read cold, 16 against 64:
-// 0.71 at one sequence of 128 tokens, 0.96-0.97 at one of 512 or 1,024, 0.87 at 16 x 128,
-// 0.91 at 64 x 256; 8 and 32 about as good, 4 worse; docs/benchmarks.md).
+// chunk_avx2's distance. Each work item starts by asking for its first positions at once;
+// on a 2-core EPYC Zen 3 every distance under 64 read the caches faster than 64
+// (benchmarks/kernel_ab.py --part attention, 30 layers read cold; 16 against 64: 0.71 at
+// one sequence of 128 tokens, 0.96-0.97 at one of 512 or 1,024, 0.87 at 16 x 128, 0.91 at
+// 64 x 256; 4, 8 and 32, measured at fewer sizes, within a few percent of 16 either way;
+// docs/benchmarks.md). Not measured on an AVX-512 CPU without BF16.
 constexpr int64_t AHEAD_AVX2 = 16;
 // E: the cache's element type (bfloat16 or float32, or int8_t for the 8-bit cache, whose scales, one
 // float per position and KV head, are asked for a block at a time).
