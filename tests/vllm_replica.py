@@ -138,6 +138,39 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(timeout=5)
 
 
+START_ATTEMPTS = 2
+"""Starts tried when vLLM hangs (still running, not healthy at the timeout) before a
+fixture fails; an exit fails at once. Once in a CI run (2026-12-07) vLLM 0.32's worker
+hung in its initialization for 4.5 minutes and was killed at the timeout; the same tests
+then passed on a fresh start."""
+
+
+def _launch(port: int, extra_args: Sequence[str], env: dict | None):
+    """`scripts/vllm_replica.sh serve PORT ...` in a session of its own, logging to a file."""
+    fd, log_name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
+    with os.fdopen(fd, "wb") as log:
+        proc = subprocess.Popen([str(SCRIPT), "serve", str(port), *extra_args],
+                                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+    return proc, Path(log_name)
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    """Return once `url`/health answers 200; a VllmStartError if vLLM exits or times out."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise VllmStartError(f"vLLM exited with code {proc.returncode} before "
+                                 f"becoming healthy; log {log_path}:\n{_log_tail(log_path)}")
+        if _healthy(url):
+            return
+        if time.monotonic() > deadline:
+            raise VllmStartError(f"vLLM not healthy at {url} after {timeout_s:.0f} s; "
+                                 f"log {log_path}:\n{_log_tail(log_path)}")
+        time.sleep(1.0)
+
+
 @contextlib.contextmanager
 def start_vllm(port: int | None = None, timeout_s: float = 300,
                extra_args: Sequence[str] = (), install: bool | None = None,
@@ -150,29 +183,21 @@ def start_vllm(port: int | None = None, timeout_s: float = 300,
     unless `keep_log`; on a failed start it is kept and its last lines are in the error.
     """
     ensure_installed(install)
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    fd, log_name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
-    log_path = Path(log_name)
-    proc_env = {**os.environ, **(env or {})}
-    with os.fdopen(fd, "wb") as log:
-        proc = subprocess.Popen([str(SCRIPT), "serve", str(port), *extra_args],
-                                cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                env=proc_env)
+    fixed_port = port
+    for attempt in range(1, START_ATTEMPTS + 1):
+        port = fixed_port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc, log_path = _launch(port, extra_args, env)
+        try:
+            _wait_healthy(proc, url, log_path, timeout_s)
+            break
+        except BaseException as exc:   # its log is kept for the error
+            hung = isinstance(exc, VllmStartError) and proc.poll() is None
+            stop_process_group(proc)
+            if not hung or attempt == START_ATTEMPTS:   # an exit is not tried again
+                raise
     ok = False
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise VllmStartError(f"vLLM exited with code {proc.returncode} before "
-                                     f"becoming healthy; log {log_path}:\n{_log_tail(log_path)}")
-            if _healthy(url):
-                break
-            if time.monotonic() > deadline:
-                raise VllmStartError(f"vLLM not healthy at {url} after {timeout_s:.0f} s; "
-                                     f"log {log_path}:\n{_log_tail(log_path)}")
-            time.sleep(1.0)
         replica = ReplicaURL(url)
         replica.process, replica.log_path, replica.port = proc, log_path, port
         yield replica
