@@ -29,7 +29,7 @@ bfloat16 and float32 queries over their own dtype's cache or the 8-bit one go to
 long sequence is shared by the threads and a chunk's values are asked for while its keys
 are read. The 30 layers' attention of a lone sequence at 512 positions, read cold, took
 0.43-0.49 of the scalar loop's time, and the 8-bit cache's at 64 sequences 0.37-0.58
-(2-core EPYC Zen 3). About 730 lines: the C++ is one
+(2-core EPYC Zen 3). About 750 lines: the C++ is one
 string, four variants of one algorithm (scalar, bf16, int8, AVX2) whose
 instruction-level differences are the point of each.
 
