@@ -62,12 +62,13 @@ def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
 
 @vnni
 @pytest.mark.parametrize("group", [GROUP_SIZE, 48, 64])
-@pytest.mark.parametrize("rows", [5, 15, 16, 41, 144])
+@pytest.mark.parametrize("rows", [2, 4, 5, 15, 16, 41, 144])
 def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows, group):
     """The kernel takes 1-4 rows, tiles under 16 rows and larger tiles by three different
-    loops (AVX2: 1-4 rows, and from 5 with outputs in lanes, 64 rows a pass, its int16
-    sums widened every 32 inputs); each row's outputs are the same bits in all of them,
-    so a request's tokens do not depend on how many others share its step."""
+    loops (AVX2: one row, two to four (inputs paired in 16-bit lanes for groups of 32),
+    and from 5 with outputs in lanes, 64 rows a pass, its int16 sums widened every 32
+    inputs); each row's outputs are the same bits in all of them, so a request's tokens
+    do not depend on how many others share its step."""
     layer, w = _int4_layer(192, 48 * GROUP_SIZE, seed=rows, group=group)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
     k = kernels.load()
@@ -150,11 +151,12 @@ def test_4_bit_products_hold_for_other_group_sizes(group, rows):
 
 @vnni
 @pytest.mark.parametrize("group", [32, 64])
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 4, 6])
 def test_the_largest_4_bit_sums_do_not_overflow(rows, group):
     """Every code 15 and every input at the group's largest magnitude: the integer sums
-    are at their largest (the AVX2 kernel sums 32 inputs in int16; at 6 rows and groups
-    of 32, four of them in one pass)."""
+    are at their largest (the AVX2 kernel sums 32 inputs in int16; at two to four rows
+    and groups of 32, 16 products in each 16-bit lane; at 6 rows, four rows in one
+    pass)."""
     codes = torch.full((64, 2 * 64), 15, dtype=torch.uint8)
     layer, w = _int4_layer(64, 2 * 64, seed=rows, group=group, codes=codes)
     x = torch.full((rows, w.shape[1]), -3.0).bfloat16()

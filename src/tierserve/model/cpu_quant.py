@@ -1,6 +1,6 @@
 """The C++ kernels of quantized linear layers, for the lean step (cpu_step.py): int4 and
 int8 products read straight from quant.py's packed weights, and the 4-bit weight
-dequantized to W^T for wide inputs. About 1,400 lines because it is one kernel family in
+dequantized to W^T for wide inputs. About 1,500 lines because it is one kernel family in
 one C++ source string, written twice (AVX-512 VNNI and AVX2: the intrinsics take many
 lines); cpu_step.py holds the forward pass.
 
@@ -33,6 +33,9 @@ also in block order (`int4_blocked_scales`: a block's pairs one after the other,
 lines for each of its 18-48 groups, N outputs apart; 13 MB for SmolLM2-135M) and the
 one-to-four-row loop loads two inputs' codes a 32-byte load (`unpack8_odd_even`, no
 inserts) and bfloat16 pairs without a shuffle: a lone decode step in 0.92-0.94x the time.
+Since the forty-eighth, two to four rows with groups of 32 pair inputs in 16-bit lanes
+(`int4_pairs_avx2`, one round of unpacking, the same bits): the 120 layers in 0.73x the
+time at four rows, 0.83x at three, 0.93x at two; the lean step at four streams 0.80x.
 `int8_matmul_avx2` is the
 4-bit model's int8 head with its input rounded the same way, on weights repacked once
 with outputs in lanes: 0.94 ms at one row, 18 at 64 (0.82x and 0.68x the earlier loop's).
@@ -619,13 +622,103 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
     for (int v = J0 / 2; v < J1 / 2; ++v) _mm256_storeu_ps(out + r * 32 + 8 * v, tot[r][v]);
 }
 
-// int4_rows_avx2 for m rows (1-4) and a half, the block read as packed.
+// PAIRS: int4_rows_avx2 for groups of 32 with one round of unpacking instead of two. Two
+// inputs' bytes interleaved (i with i + 2 in a 128-bit lane, i + 1 with i + 3 in the
+// other) already put two inputs of one output in each 16-bit lane, which is what
+// vpmaddubsw sums; the lanes' int16 sums then hold eight outputs' partial sums twice (one
+// per lane) and are added at the end of the group, widened to int32. That is four unpacks
+// and one shuffle of x per eight inputs instead of eight and one, and 16 accumulators of
+// R rows' sums instead of 32 (the AVX2 loop spilled two of its 16 to the stack at one
+// row). A lane holds 16 products of at most 15 x 128 over a group of 32 (30,720: no
+// overflow), so only groups up to 32 can take it; the sums are the same integers, then
+// the same float operations in the same order, so the outputs are the same bits.
+// On a 2-core EPYC Zen 3, one thread, a layer's blocks from L2: 0.69-0.84 of the time at
+// one row, 0.81 at two, 0.74-0.76 at three, 0.62-0.72 at four; the 120 layers of
+// SmolLM2-135M read from memory (kernel_ab --part int4): 0.93 at two rows, 0.73 at four,
+// but 1.04-1.05 at one, where the layers wait on memory, so one row keeps int4_rows_avx2.
+template <int R, int HALF, typename T>
+static void int4_pairs_avx2(const int8_t* xq, const float* dx, const float* xsum,
+                            const uint8_t* blk, const T* sz, float* out, int64_t k,
+                            const ScaleOrder& order) {
+  constexpr int64_t group = 32;
+  constexpr int V0 = HALF == 2 ? 2 : 0, V1 = HALF == 1 ? 2 : 4;   // outputs 8v..8v+7
+  const int64_t groups = k / group;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  // x_i x_{i+2} in every 16-bit lane of the low 128 bits, x_{i+1} x_{i+3} in the high
+  const __m256i pairs = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                         1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
+  __m256 tot[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    {   // the group PF ahead, as int4_rows_avx2
+      const int64_t ahead = g + PF;
+      const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
+      for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
+      if (ahead < 2 * groups) {
+        const char* z = reinterpret_cast<const char*>(
+            ahead < groups ? sz + ahead * order.group
+                           : sz + (ahead - groups) * order.group + order.block);
+        for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
+          _mm_prefetch(z + l, _MM_HINT_T1);
+      }
+    }
+    __m256i acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int v = V0; v < V1; ++v) acc[r][v] = _mm256_setzero_si256();
+    const uint8_t* cg = blk + g * group * 16;
+    for (int64_t i = 0; i < group; i += 4) {
+      const __m256i p = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 16));
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cg + i * 16 + 32));
+      // bytes 0-7 (outputs 0-7 low, 16-23 high) and 8-15 (8-15, 24-31) of the four inputs
+      const __m256i a0 = _mm256_unpacklo_epi8(p, q), a1 = _mm256_unpackhi_epi8(p, q);
+      __m256i w[4];
+      if (HALF != 2) {
+        w[0] = _mm256_and_si256(a0, low);
+        w[1] = _mm256_and_si256(a1, low);
+      }
+      if (HALF != 1) {
+        w[2] = _mm256_and_si256(_mm256_srli_epi16(a0, 4), low);
+        w[3] = _mm256_and_si256(_mm256_srli_epi16(a1, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xq + r * k + g * group + i, 4);
+        const __m256i xv = _mm256_shuffle_epi8(_mm256_set1_epi32(four), pairs);
+        for (int v = V0; v < V1; ++v)
+          acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(w[v], xv));
+      }
+    }
+    for (int v = V0; v < V1; ++v) {
+      __m256 s, z;
+      scales8(sz + g * order.group + 16 * v, &s, &z);
+      for (int r = 0; r < R; ++r) {
+        const __m256i sum = _mm256_add_epi32(
+            _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[r][v])),
+            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[r][v], 1)));
+        tot[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(dx[r * groups + g])),
+                                    _mm256_cvtepi32_ps(sum),
+                                    _mm256_fmadd_ps(z, _mm256_set1_ps(xsum[r * groups + g]),
+                                                    tot[r][v]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = V0; v < V1; ++v) _mm256_storeu_ps(out + r * 32 + 8 * v, tot[r][v]);
+}
+
+// int4_rows_avx2 (int4_pairs_avx2 for two to four rows and groups of 32) for m rows (1-4)
+// and a half, the block read as packed.
 template <typename T>
 static void rows_dispatch(int64_t m, int half, const int8_t* xq, const float* dx,
                           const float* xs, const uint8_t* blk, const T* bsz, float* out,
                           int64_t k, int64_t group, const ScaleOrder& order) {
 #define TS_ROWS(R)                                                                       \
-  switch (half) {                                                                        \
+  if (R > 1 && group == 32) switch (half) {                                              \
+    case 0: int4_pairs_avx2<R, 0>(xq, dx, xs, blk, bsz, out, k, order); break;           \
+    case 1: int4_pairs_avx2<R, 1>(xq, dx, xs, blk, bsz, out, k, order); break;           \
+    default: int4_pairs_avx2<R, 2>(xq, dx, xs, blk, bsz, out, k, order);                 \
+  } else switch (half) {                                                                 \
     case 0: int4_rows_avx2<R, 0>(xq, dx, xs, blk, bsz, out, k, group, order); break;     \
     case 1: int4_rows_avx2<R, 1>(xq, dx, xs, blk, bsz, out, k, group, order); break;     \
     default: int4_rows_avx2<R, 2>(xq, dx, xs, blk, bsz, out, k, group, order);           \
