@@ -562,6 +562,23 @@ struct ScaleOrder {
   int64_t group, block;
 };
 
+// Before a block's group g is read, ask for group g + PF (its codes, then its scales), as
+// int4_rows_vnni does (PREFETCH); past the block's last group, the next block's first ones.
+template <typename T>
+static inline void read_ahead(const uint8_t* blk, const T* sz, int64_t g, int64_t groups,
+                              int64_t group, const ScaleOrder& order) {
+  const int64_t ahead = g + PF;
+  const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
+  for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
+  if (ahead < 2 * groups) {
+    const char* z = reinterpret_cast<const char*>(
+        ahead < groups ? sz + ahead * order.group
+                       : sz + (ahead - groups) * order.group + order.block);
+    for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
+      _mm_prefetch(z + l, _MM_HINT_T1);
+  }
+}
+
 // R rows of x (1-4) against one block of 32 outputs, unpacked in registers as it is read.
 // HALF 0: the block's 32 outputs; 1 and 2: only its first or last 16. out: R x 32 floats.
 // Each row's sums are its own (integer sums, then the same float operations in the same
@@ -578,19 +595,7 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    // the group PF ahead (its codes, then its scales), as int4_rows_vnni
-    {
-      const int64_t ahead = g + PF;
-      const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
-      for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
-      if (ahead < 2 * groups) {
-        const char* z = reinterpret_cast<const char*>(
-            ahead < groups ? sz + ahead * order.group
-                           : sz + (ahead - groups) * order.group + order.block);
-        for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
-          _mm_prefetch(z + l, _MM_HINT_T1);
-      }
-    }
+    read_ahead(blk, sz, g, groups, group, order);
     __m256i acc[R][8];
     for (int r = 0; r < R; ++r)
       for (int j = J0; j < J1; ++j) acc[r][j] = _mm256_setzero_si256();
@@ -651,18 +656,7 @@ static void int4_pairs_avx2(const int8_t* xq, const float* dx, const float* xsum
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) tot[r][v] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    {   // the group PF ahead, as int4_rows_avx2
-      const int64_t ahead = g + PF;
-      const char* c = reinterpret_cast<const char*>(blk + ahead * group * 16);
-      for (int64_t l = 0; l < group * 16; l += 64) _mm_prefetch(c + l, _MM_HINT_T1);
-      if (ahead < 2 * groups) {
-        const char* z = reinterpret_cast<const char*>(
-            ahead < groups ? sz + ahead * order.group
-                           : sz + (ahead - groups) * order.group + order.block);
-        for (int64_t l = 0; l < 64 * static_cast<int64_t>(sizeof(T)); l += 64)
-          _mm_prefetch(z + l, _MM_HINT_T1);
-      }
-    }
+    read_ahead(blk, sz, g, groups, group, order);
     __m256i acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = V0; v < V1; ++v) acc[r][v] = _mm256_setzero_si256();
