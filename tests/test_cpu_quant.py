@@ -62,13 +62,13 @@ def test_4_bit_products_are_exact_up_to_int8_inputs_and_one_rounding(rows):
 
 @vnni
 @pytest.mark.parametrize("group", [GROUP_SIZE, 48, 64])
-@pytest.mark.parametrize("rows", [2, 4, 5, 15, 16, 41, 144])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 15, 16, 41, 144])
 def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows, group):
-    """The kernel takes 1-4 rows, tiles under 16 rows and larger tiles by three different
-    loops (AVX2: one row, two to four (inputs paired in 16-bit lanes for groups of 32),
-    and from 5 with outputs in lanes, 64 rows a pass, its int16 sums widened every 32
-    inputs); each row's outputs are the same bits in all of them, so a request's tokens
-    do not depend on how many others share its step."""
+    """With AVX-512 VNNI the kernel takes 1-4 rows, tiles under 16 rows and larger tiles
+    by three different loops; with AVX2 by four: one row, two to four (for groups of 32
+    with inputs paired in 16-bit lanes), and from 5 with outputs in lanes, 64 rows a pass,
+    its int16 sums widened every 32 inputs. Each row's outputs are the same bits in all
+    of them, so a request's tokens do not depend on how many others share its step."""
     layer, w = _int4_layer(192, 48 * GROUP_SIZE, seed=rows, group=group)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(3)).bfloat16()
     k = kernels.load()
@@ -81,7 +81,7 @@ def test_a_rows_4_bit_product_does_not_depend_on_the_rows_beside_it(rows, group)
 
 @vnni
 @pytest.mark.parametrize("blocks", [3, 4, 5])
-@pytest.mark.parametrize("rows", [1, 4, 7, 24, 64, 260])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 24, 64, 260])
 def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(blocks, rows):
     """Threads share the packing's blocks (64 outputs with AVX-512 VNNI, 32 with AVX2) by
     halves (VNNI: a block's first and last 32 outputs at 1-4 rows, its rows above that;
@@ -104,7 +104,7 @@ def test_a_4_bit_product_is_the_same_bits_on_any_number_of_threads(blocks, rows)
 
 
 @avx2_only
-@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6])
 def test_an_avx2_4_bit_product_in_float32_is_the_bfloat16_one_before_its_rounding(rows):
     """Where bfloat16 does not compute (AVX2), x and the scales may be float32: the same
     int8 inputs and sums, so the float32 outputs round to the bfloat16 ones exactly."""

@@ -434,8 +434,8 @@ static void quantize_rows(const X* x, int8_t* xq, float* dx, float* xsum, int64_
 // 0..15 in the low nibbles, 16..31 in the high ones). Eight consecutive inputs are taken
 // at once, four in each 32-bit lane's low 128 bits and four in the high ones (the even and
 // the odd inputs: unpack8_odd_even), so that after a group the two halves add up to
-// outputs in their own order and the scales need no permuting (the loop for one to four
-// rows). A group's int16 sums cannot
+// outputs in their own order and the scales need no permuting (the loop for one row, and
+// for two to four with groups other than 32: int4_pairs_avx2). A group's int16 sums cannot
 // overflow: at most 64 inputs is 8 steps of two products of at most 15 x 128. From five
 // rows (WIDE) a block is unpacked again with outputs in lanes (unpack_block_lanes).
 constexpr int64_t PACKED_ROWS = 4;   // up to this many rows read the packing as it is (WIDE)
@@ -632,15 +632,16 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
 // other) already put two inputs of one output in each 16-bit lane, which is what
 // vpmaddubsw sums; the lanes' int16 sums then hold eight outputs' partial sums twice (one
 // per lane) and are added at the end of the group, widened to int32. That is four unpacks
-// and one shuffle of x per eight inputs instead of eight and one, and 16 accumulators of
-// R rows' sums instead of 32 (the AVX2 loop spilled two of its 16 to the stack at one
-// row). A lane holds 16 products of at most 15 x 128 over a group of 32 (30,720: no
+// per eight inputs instead of eight (and two shuffles of each row's x instead of one),
+// and 4R accumulators instead of 8R (16 instead of 32 at four rows; the loop before
+// spilled two of its eight to the stack even at one row). A lane holds 16 products of at most 15 x 128 over a group of 32 (30,720: no
 // overflow), so only groups up to 32 can take it; the sums are the same integers, then
 // the same float operations in the same order, so the outputs are the same bits.
 // On a 2-core EPYC Zen 3, one thread, a layer's blocks from L2: 0.69-0.84 of the time at
 // one row, 0.81 at two, 0.74-0.76 at three, 0.62-0.72 at four; the 120 layers of
-// SmolLM2-135M read from memory (kernel_ab --part int4): 0.93 at two rows, 0.73 at four,
-// but 1.04-1.05 at one, where the layers wait on memory, so one row keeps int4_rows_avx2.
+// SmolLM2-135M read from memory (kernel_ab --part int4): 0.93 at two rows, 0.83 at three,
+// 0.73 at four, but 1.04-1.05 at one (where the layers wait on memory; why it is slower
+// there is not known), so one row keeps int4_rows_avx2.
 template <int R, int HALF, typename T>
 static void int4_pairs_avx2(const int8_t* xq, const float* dx, const float* xsum,
                             const uint8_t* blk, const T* sz, float* out, int64_t k,
