@@ -634,9 +634,10 @@ static void int4_rows_avx2(const int8_t* xq, const float* dx, const float* xsum,
 // per lane) and are added at the end of the group, widened to int32. That is four unpacks
 // per eight inputs instead of eight (and two shuffles of each row's x instead of one),
 // and 4R accumulators instead of 8R (16 instead of 32 at four rows; the loop before
-// spilled two of its eight to the stack even at one row). A lane holds 16 products of at most 15 x 128 over a group of 32 (30,720: no
-// overflow), so only groups up to 32 can take it; the sums are the same integers, then
-// the same float operations in the same order, so the outputs are the same bits.
+// spilled two of its eight to the stack even at one row). A lane holds 16 products of at
+// most 15 x 128 over a group of 32 (30,720: no overflow), so only groups up to 32 can take
+// it; the sums are the same integers, then the same float operations in the same order,
+// so the outputs are the same bits.
 // On a 2-core EPYC Zen 3, one thread, a layer's blocks from L2: 0.69-0.84 of the time at
 // one row, 0.81 at two, 0.74-0.76 at three, 0.62-0.72 at four; the 120 layers of
 // SmolLM2-135M read from memory (kernel_ab --part int4): 0.93 at two rows, 0.83 at three,
